@@ -1,0 +1,81 @@
+#include "capsnet/data/mnist.h"
+
+#include "capsnet/data/idx.h"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+
+namespace capsnet::data {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int64_t kSide = 28;
+constexpr int64_t kClasses = 10;
+
+std::string resolve(const std::string& dir, const char* name) {
+  const std::string plain = (fs::path(dir) / name).string();
+  std::error_code ec;
+  if (!fs::exists(plain, ec) && fs::exists(plain + ".gz", ec)) return plain + ".gz";
+  return plain;
+}
+
+std::string fetch_hint(const std::string& dir) {
+  return fmt::format("run scripts/fetch_mnist.sh to download MNIST (scripts/fetch_mnist.sh {} for this "
+                     "directory)", dir);
+}
+
+std::string shape_str(const torch::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+}  // namespace
+
+std::string mnist_images_path(const std::string& dir, Split split) {
+  return resolve(dir, split == Split::kTrain ? "train-images-idx3-ubyte" : "t10k-images-idx3-ubyte");
+}
+
+std::string mnist_labels_path(const std::string& dir, Split split) {
+  return resolve(dir, split == Split::kTrain ? "train-labels-idx1-ubyte" : "t10k-labels-idx1-ubyte");
+}
+
+ImageSet load_mnist(const std::string& dir, Split split) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec))
+    throw IdxError(fmt::format("{}: MNIST directory not found; {}", dir, fetch_hint(dir)));
+  const std::string images_path = mnist_images_path(dir, split);
+  const std::string labels_path = mnist_labels_path(dir, split);
+  for (const auto& p : {images_path, labels_path})
+    if (!fs::exists(p, ec))
+      throw IdxError(fmt::format("{}: MNIST file missing; {}", p, fetch_hint(dir)));
+
+  ImageSet set{read_idx(images_path), read_idx(labels_path)};
+  if (set.images.dim() != 3 || set.images.size(1) != kSide || set.images.size(2) != kSide)
+    throw IdxError(fmt::format("{}: expected MNIST images of shape [N, 28, 28], got {}", images_path,
+                               shape_str(set.images)));
+  if (set.labels.dim() != 1)
+    throw IdxError(fmt::format("{}: expected MNIST labels of shape [N], got {}", labels_path,
+                               shape_str(set.labels)));
+  if (set.labels.size(0) != set.images.size(0))
+    throw IdxError(fmt::format("{}: {} labels but {} has {} images", labels_path, set.labels.size(0),
+                               images_path, set.images.size(0)));
+  const auto bad = (set.labels >= kClasses).nonzero();
+  if (bad.size(0) > 0) {
+    const int64_t i = bad[0][0].item<int64_t>();
+    throw IdxError(fmt::format("{}: label {} at index {} is out of range [0, 9]", labels_path,
+                               set.labels[i].item<int>(), i));
+  }
+  set.labels = set.labels.to(torch::kLong);
+  return set;
+}
+
+ImageSet take(const ImageSet& set, int64_t n) {
+  if (n <= 0 || n >= set.size()) return set;
+  return {set.images.narrow(0, 0, n), set.labels.narrow(0, 0, n)};
+}
+
+}  // namespace capsnet::data

@@ -1,0 +1,32 @@
+#pragma once
+// MNIST from its four standard IDX files.
+
+#include <torch/torch.h>
+
+#include <string>
+
+namespace capsnet::data {
+
+enum class Split { kTrain, kTest };
+
+/// An in-memory image classification set.
+struct ImageSet {
+  torch::Tensor images;  // [N, H, W] uint8 (0 = background)
+  torch::Tensor labels;  // [N] int64
+  int64_t size() const { return labels.size(0); }
+};
+
+/// Paths of the IDX files of `split` inside `dir` (train-images-idx3-ubyte, ... ; a ".gz" sibling is
+/// accepted when the plain file is absent).
+std::string mnist_images_path(const std::string& dir, Split split);
+std::string mnist_labels_path(const std::string& dir, Split split);
+
+/// Loads and validates one split: images [N, 28, 28] uint8, labels [N] int64 in [0, 9], same N.
+/// Throws IdxError naming the file on any inconsistency, and a message that says how to fetch
+/// the data (scripts/fetch_mnist.sh) when the directory or files are missing.
+ImageSet load_mnist(const std::string& dir, Split split);
+
+/// The first `n` examples (all of them when n <= 0 or n >= size).
+ImageSet take(const ImageSet& set, int64_t n);
+
+}  // namespace capsnet::data

@@ -1,0 +1,142 @@
+#include "capsnet/models/capsnet.h"
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+namespace capsnet::models {
+
+int64_t CapsNetConfig::primary_grid() const {
+  const int64_t after_conv1 = image_size - conv1_kernel + 1;
+  return (after_conv1 - primary_kernel) / primary_stride + 1;
+}
+
+int64_t CapsNetConfig::num_primary_caps() const { return primary_types * primary_grid() * primary_grid(); }
+
+void CapsNetConfig::validate() const {
+  auto positive = [](const char* name, int64_t value) {
+    if (value <= 0) throw std::invalid_argument(fmt::format("model config: {} must be positive, got {}", name, value));
+  };
+  positive("image_channels", image_channels);
+  positive("image_size", image_size);
+  positive("conv1_channels", conv1_channels);
+  positive("conv1_kernel", conv1_kernel);
+  positive("primary_types", primary_types);
+  positive("primary_dim", primary_dim);
+  positive("primary_kernel", primary_kernel);
+  positive("primary_stride", primary_stride);
+  positive("num_classes", num_classes);
+  positive("digit_dim", digit_dim);
+  positive("routing_iterations", routing_iterations);
+  if (num_classes < 2) throw std::invalid_argument("model config: num_classes must be at least 2");
+  if (image_size - conv1_kernel + 1 < primary_kernel)
+    throw std::invalid_argument(fmt::format(
+        "model config: image_size {} is too small for conv1_kernel {} followed by primary_kernel {}", image_size,
+        conv1_kernel, primary_kernel));
+  if (reconstruction_scale < 0) throw std::invalid_argument("model config: reconstruction_scale must be >= 0");
+}
+
+nlohmann::json CapsNetConfig::to_json() const {
+  return {{"image_channels", image_channels},   {"image_size", image_size},
+          {"conv1_channels", conv1_channels},   {"conv1_kernel", conv1_kernel},
+          {"primary_types", primary_types},     {"primary_dim", primary_dim},
+          {"primary_kernel", primary_kernel},   {"primary_stride", primary_stride},
+          {"num_classes", num_classes},         {"digit_dim", digit_dim},
+          {"routing_iterations", routing_iterations}, {"grad_through_routing", grad_through_routing},
+          {"reconstruction", reconstruction},   {"reconstruction_scale", reconstruction_scale}};
+}
+
+CapsNetConfig CapsNetConfig::from_json(const nlohmann::json& j) {
+  if (!j.is_object()) throw std::invalid_argument("model config: expected a JSON object");
+  CapsNetConfig c;
+  const auto known = c.to_json();
+  for (const auto& [key, value] : j.items()) {
+    if (!known.contains(key)) throw std::invalid_argument("model config: unknown key '" + key + "'");
+    // An integer may stand for a real, not the reverse: get<int64_t> would truncate 28.5 to 28.
+    if (value.type() != known[key].type() && !(value.is_number_integer() && known[key].is_number()))
+      throw std::invalid_argument("model config: wrong type for '" + key + "'");
+  }
+  auto get = [&](const char* key, auto& field) {
+    if (j.contains(key)) field = j.at(key).get<std::decay_t<decltype(field)>>();
+  };
+  get("image_channels", c.image_channels);
+  get("image_size", c.image_size);
+  get("conv1_channels", c.conv1_channels);
+  get("conv1_kernel", c.conv1_kernel);
+  get("primary_types", c.primary_types);
+  get("primary_dim", c.primary_dim);
+  get("primary_kernel", c.primary_kernel);
+  get("primary_stride", c.primary_stride);
+  get("num_classes", c.num_classes);
+  get("digit_dim", c.digit_dim);
+  get("routing_iterations", c.routing_iterations);
+  get("grad_through_routing", c.grad_through_routing);
+  get("reconstruction", c.reconstruction);
+  get("reconstruction_scale", c.reconstruction_scale);
+  c.validate();
+  return c;
+}
+
+CapsNetImpl::CapsNetImpl(const CapsNetConfig& config_) : config(config_) { reset(); }
+
+void CapsNetImpl::reset() {
+  config.validate();
+  conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(
+                                                         config.image_channels, config.conv1_channels,
+                                                         config.conv1_kernel)));
+  primary_caps = register_module(
+      "primary_caps", nn::PrimaryCaps(nn::PrimaryCapsOptions(config.conv1_channels, config.primary_types,
+                                                             config.primary_dim)
+                                          .kernel_size(config.primary_kernel)
+                                          .stride(config.primary_stride)));
+  digit_caps = register_module(
+      "digit_caps", nn::CapsuleLinear(nn::CapsuleLinearOptions(config.num_primary_caps(), config.primary_dim,
+                                                               config.num_classes, config.digit_dim)
+                                          .routing_iterations(config.routing_iterations)
+                                          .grad_through_routing(config.grad_through_routing)));
+  if (config.reconstruction) {
+    const int64_t pixels = config.image_channels * config.image_size * config.image_size;
+    decoder = register_module("decoder",
+                              nn::Decoder(nn::DecoderOptions(config.num_classes * config.digit_dim, pixels)));
+  }
+}
+
+CapsNetOutput CapsNetImpl::forward(const torch::Tensor& images, const std::optional<torch::Tensor>& labels) {
+  TORCH_CHECK(images.dim() == 4 && images.size(1) == config.image_channels &&
+                  images.size(2) == config.image_size && images.size(3) == config.image_size,
+              "CapsNet: images must be [B, ", config.image_channels, ", ", config.image_size, ", ",
+              config.image_size, "], got ", images.sizes());
+  CapsNetOutput out;
+  auto u = primary_caps(torch::relu(conv1(images)));  // [B, I, 8]
+  out.digit_caps = digit_caps(u);                      // [B, K, 16]
+  out.lengths = capsule_length(out.digit_caps);        // [B, K]
+  if (decoder) {
+    auto which = labels ? *labels : out.lengths.argmax(1);
+    out.reconstruction = decode(out.digit_caps, which);
+  }
+  return out;
+}
+
+torch::Tensor CapsNetImpl::decode(const torch::Tensor& v, const torch::Tensor& which) {
+  TORCH_CHECK(decoder, "CapsNet: this model has no decoder (reconstruction disabled)");
+  return decoder(mask(v, which));
+}
+
+CapsNetLoss CapsNetImpl::loss(const CapsNetOutput& out, const torch::Tensor& images,
+                              const torch::Tensor& labels) const {
+  CapsNetLoss l;
+  l.margin = margin_loss(out.lengths, labels);
+  l.reconstruction = out.reconstruction.defined()
+                         ? reconstruction_loss(out.reconstruction, images, config.reconstruction_scale)
+                         : torch::zeros({}, l.margin.options());
+  l.total = l.margin + l.reconstruction;
+  return l;
+}
+
+int64_t count_parameters(const torch::nn::Module& module) {
+  int64_t n = 0;
+  for (const auto& p : module.parameters()) n += p.numel();
+  return n;
+}
+
+}  // namespace capsnet::models

@@ -1,0 +1,80 @@
+#pragma once
+// The MNIST CapsNet of Sabour et al. (2017), Fig. 1 and 2:
+// Conv1 256@9x9 ReLU -> PrimaryCaps 32x8D @9x9/2 -> DigitCaps 10x16D (routing) -> masked decoder.
+
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "capsnet/nn/capsule_linear.h"
+#include "capsnet/nn/decoder.h"
+#include "capsnet/nn/functional.h"
+#include "capsnet/nn/primary_caps.h"
+
+namespace capsnet::models {
+
+/// Architecture hyper-parameters; defaults are the paper's MNIST model (8,215,568 parameters).
+struct CapsNetConfig {
+  int64_t image_channels = 1;
+  int64_t image_size = 28;
+  int64_t conv1_channels = 256;
+  int64_t conv1_kernel = 9;
+  int64_t primary_types = 32;
+  int64_t primary_dim = 8;
+  int64_t primary_kernel = 9;
+  int64_t primary_stride = 2;
+  int64_t num_classes = 10;
+  int64_t digit_dim = 16;
+  int64_t routing_iterations = 3;
+  bool grad_through_routing = true;
+  bool reconstruction = true;  // decoder + 0.0005 * SSE term
+  double reconstruction_scale = 0.0005;
+
+  /// Side of the PrimaryCaps grid (6 for the paper's model).
+  int64_t primary_grid() const;
+  /// Number of primary capsules I (1152 for the paper's model).
+  int64_t num_primary_caps() const;
+  /// Throws std::invalid_argument naming the bad field (e.g. an image too small for the kernels).
+  void validate() const;
+  nlohmann::json to_json() const;
+  /// Missing keys keep their defaults; unknown keys and wrong types throw std::invalid_argument.
+  static CapsNetConfig from_json(const nlohmann::json& j);
+};
+
+struct CapsNetOutput {
+  torch::Tensor digit_caps;      // v: [B, K, D]
+  torch::Tensor lengths;         // |v|: [B, K]
+  torch::Tensor reconstruction;  // [B, C*H*W] in (0, 1); undefined without a decoder
+};
+
+struct CapsNetLoss {
+  torch::Tensor total, margin, reconstruction;  // scalars (reconstruction = 0 without a decoder)
+};
+
+class CapsNetImpl : public torch::nn::Cloneable<CapsNetImpl> {
+ public:
+  explicit CapsNetImpl(const CapsNetConfig& config = {});
+  void reset() override;
+
+  /// images: [B, C, H, W] float in [0, 1]. The decoder sees the capsule of `labels` when given
+  /// (training) and the longest capsule otherwise (inference).
+  CapsNetOutput forward(const torch::Tensor& images, const std::optional<torch::Tensor>& labels = std::nullopt);
+  /// Decodes one (masked) capsule per example. v: [B, K, D]; which: [B] -> [B, C*H*W].
+  torch::Tensor decode(const torch::Tensor& v, const torch::Tensor& which);
+  /// margin loss + reconstruction_scale * SSE (paper Sec. 4.1).
+  CapsNetLoss loss(const CapsNetOutput& out, const torch::Tensor& images, const torch::Tensor& labels) const;
+
+  CapsNetConfig config;
+  torch::nn::Conv2d conv1{nullptr};
+  nn::PrimaryCaps primary_caps{nullptr};
+  nn::CapsuleLinear digit_caps{nullptr};
+  nn::Decoder decoder{nullptr};
+};
+TORCH_MODULE(CapsNet);
+
+/// Number of trainable scalars in a module.
+int64_t count_parameters(const torch::nn::Module& module);
+
+}  // namespace capsnet::models

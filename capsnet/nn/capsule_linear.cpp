@@ -1,0 +1,38 @@
+#include "capsnet/nn/capsule_linear.h"
+
+namespace capsnet::nn {
+
+CapsuleLinearImpl::CapsuleLinearImpl(const CapsuleLinearOptions& options_) : options(options_) { reset(); }
+
+void CapsuleLinearImpl::reset() {
+  TORCH_CHECK(options.in_caps() > 0 && options.in_dim() > 0 && options.out_caps() > 0 && options.out_dim() > 0,
+              "CapsuleLinear: capsule counts and dimensions must be positive");
+  TORCH_CHECK(options.routing_iterations() >= 1, "CapsuleLinear: routing_iterations must be >= 1, got ",
+              options.routing_iterations());
+  weight = register_parameter(
+      "weight", torch::randn({options.in_caps(), options.out_caps(), options.out_dim(), options.in_dim()}) *
+                    options.weight_std());
+}
+
+RoutingOptions CapsuleLinearImpl::routing_options() const {
+  RoutingOptions r;
+  r.iterations = options.routing_iterations();
+  r.grad_through_routing = options.grad_through_routing();
+  return r;
+}
+
+torch::Tensor CapsuleLinearImpl::predictions(const torch::Tensor& u) {
+  TORCH_CHECK(u.dim() == 3 && u.size(1) == options.in_caps() && u.size(2) == options.in_dim(),
+              "CapsuleLinear: input must be [B, ", options.in_caps(), ", ", options.in_dim(), "], got ", u.sizes());
+  const auto B = u.size(0), I = options.in_caps(), J = options.out_caps(), D = options.out_dim();
+  // One small matmul per child capsule i, batched over i: [I, J*D, Din] x [I, Din, B] -> [I, J*D, B].
+  auto w = weight.view({I, J * D, options.in_dim()});
+  auto u_hat = torch::bmm(w, u.permute({1, 2, 0}));
+  return u_hat.permute({2, 0, 1}).view({B, I, J, D});  // [B, I, J, D] (strided view)
+}
+
+torch::Tensor CapsuleLinearImpl::forward(const torch::Tensor& u) {
+  return dynamic_routing(predictions(u), routing_options());
+}
+
+}  // namespace capsnet::nn

@@ -1,0 +1,31 @@
+#include "capsnet/nn/primary_caps.h"
+
+#include "capsnet/nn/functional.h"
+
+namespace capsnet::nn {
+
+PrimaryCapsImpl::PrimaryCapsImpl(const PrimaryCapsOptions& options_) : options(options_) { reset(); }
+
+void PrimaryCapsImpl::reset() {
+  TORCH_CHECK(options.in_channels() > 0 && options.capsule_types() > 0 && options.capsule_dim() > 0 &&
+                  options.kernel_size() > 0 && options.stride() > 0,
+              "PrimaryCaps: all options must be positive");
+  conv = register_module(
+      "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(options.in_channels(),
+                                                         options.capsule_types() * options.capsule_dim(),
+                                                         options.kernel_size())
+                                    .stride(options.stride())));
+}
+
+torch::Tensor PrimaryCapsImpl::forward(const torch::Tensor& x) {
+  auto y = conv->forward(x);  // [B, types * dim, H', W']
+  const auto B = y.size(0), H = y.size(2), W = y.size(3);
+  // Channel k = type * dim + atom. Atoms must be moved last before flattening: a plain
+  // view to [B, -1, dim] would mix atoms of neighbouring positions into one capsule.
+  auto u = y.view({B, options.capsule_types(), options.capsule_dim(), H, W})
+               .permute({0, 1, 3, 4, 2})                       // [B, types, H', W', dim]
+               .reshape({B, options.capsule_types() * H * W, options.capsule_dim()});
+  return squash(u);
+}
+
+}  // namespace capsnet::nn

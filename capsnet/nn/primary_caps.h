@@ -1,0 +1,30 @@
+#pragma once
+#include <torch/torch.h>
+
+namespace capsnet::nn {
+
+struct PrimaryCapsOptions {
+  PrimaryCapsOptions(int64_t in_channels, int64_t capsule_types, int64_t capsule_dim)
+      : in_channels_(in_channels), capsule_types_(capsule_types), capsule_dim_(capsule_dim) {}
+  TORCH_ARG(int64_t, in_channels);
+  TORCH_ARG(int64_t, capsule_types);  // 32 in the paper
+  TORCH_ARG(int64_t, capsule_dim);    // 8
+  TORCH_ARG(int64_t, kernel_size) = 9;
+  TORCH_ARG(int64_t, stride) = 2;
+};
+
+/// PrimaryCaps: one convolution with capsule_types * capsule_dim channels, regrouped into
+/// capsule_dim-vectors (atoms last, *then* flattened) and squashed.
+/// x: [B, in_channels, H, W] -> u: [B, capsule_types * H' * W', capsule_dim], order (type, y, x).
+class PrimaryCapsImpl : public torch::nn::Cloneable<PrimaryCapsImpl> {
+ public:
+  explicit PrimaryCapsImpl(const PrimaryCapsOptions& options);
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& x);
+
+  PrimaryCapsOptions options;
+  torch::nn::Conv2d conv{nullptr};
+};
+TORCH_MODULE(PrimaryCaps);
+
+}  // namespace capsnet::nn

@@ -1,0 +1,41 @@
+#pragma once
+// Checkpoints: model + optimizer + RNG + step + configs in one torch archive, written atomically
+// (temp file, fsync, rename) so a crash mid-write never replaces the last good checkpoint.
+
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+
+#include "capsnet/models/capsnet.h"
+
+namespace capsnet::train {
+
+/// Thrown for unreadable, corrupt, truncated or incompatible checkpoints; what() names the file.
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct CheckpointMeta {
+  int64_t step = 0;              // optimizer steps taken
+  nlohmann::json model_config;   // CapsNetConfig::to_json()
+  nlohmann::json train_options;  // what produced it (informational; used to check a resume)
+};
+
+/// Writes model, optimizer state (when given), the default CPU generator state and meta to `path`.
+void save_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer,
+                     const CheckpointMeta& meta);
+
+/// Reads only the meta of a checkpoint.
+CheckpointMeta read_checkpoint_meta(const std::string& path);
+
+/// Restores model weights, optimizer state (when given) and the generator state; returns the meta.
+/// The model must have been built with the checkpoint's model config.
+CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer);
+
+/// Builds the model described by the checkpoint and loads its weights (for eval / predict).
+models::CapsNet load_model(const std::string& path);
+
+}  // namespace capsnet::train

@@ -1,0 +1,58 @@
+#include "capsnet/train/evaluate.h"
+
+#include <fmt/format.h>
+
+#include "capsnet/data/transforms.h"
+#include "capsnet/train/metrics.h"
+
+namespace capsnet::train {
+
+EvalResult evaluate(models::CapsNet& model, const data::ImageSet& set, int64_t batch_size,
+                    std::ostream* progress) {
+  TORCH_CHECK(batch_size > 0, "evaluate: batch size must be positive, got ", batch_size);
+  torch::NoGradGuard no_grad;
+  const bool was_training = model->is_training();
+  model->eval();
+  const int64_t n = set.size(), K = model->config.num_classes;
+  EvalResult r;
+  r.examples = n;
+  r.confusion = torch::zeros({K, K}, torch::kLong);
+  double loss_sum = 0;
+  ProgressBar bar(progress ? *progress : std::cerr, "eval", n, progress != nullptr);
+  for (int64_t start = 0; start < n; start += batch_size) {
+    const int64_t len = std::min(batch_size, n - start);
+    auto images = data::to_float(set.images.narrow(0, start, len));
+    auto labels = set.labels.narrow(0, start, len);
+    auto out = model(images);  // decoder sees the predicted capsule, as at inference
+    auto pred = out.lengths.argmax(1);
+    r.confusion.index_put_({labels, pred}, torch::ones({len}, torch::kLong), /*accumulate=*/true);
+    loss_sum += model->loss(out, images, labels).total.item<double>() * static_cast<double>(len);
+    bar.update(start + len, "");
+  }
+  r.accuracy = n ? static_cast<double>(r.confusion.diag().sum().item<int64_t>()) / static_cast<double>(n) : 0.0;
+  r.loss = n ? loss_sum / static_cast<double>(n) : 0.0;
+  bar.finish(fmt::format("accuracy {:.2f}%", 100 * r.accuracy));
+  if (was_training) model->train();
+  return r;
+}
+
+std::string format_confusion(const torch::Tensor& confusion) {
+  const int64_t K = confusion.size(0);
+  auto c = confusion.accessor<int64_t, 2>();
+  std::string s = "true\\pred";
+  for (int64_t j = 0; j < K; ++j) s += fmt::format("{:>6}", j);
+  s += "    acc\n";
+  for (int64_t i = 0; i < K; ++i) {
+    s += fmt::format("{:>9}", i);
+    int64_t row = 0;
+    for (int64_t j = 0; j < K; ++j) {
+      s += fmt::format("{:>6}", c[i][j]);
+      row += c[i][j];
+    }
+    s += row ? fmt::format(" {:>6.2f}%\n", 100.0 * static_cast<double>(c[i][i]) / static_cast<double>(row))
+             : "      -\n";
+  }
+  return s;
+}
+
+}  // namespace capsnet::train

@@ -1,0 +1,66 @@
+#pragma once
+// Training loop: Adam with exponentially decaying learning rate, random +-2 px shifts, progress bar,
+// JSON-lines metrics, atomic checkpoints and exact resume.
+
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <ostream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "capsnet/data/mnist.h"
+#include "capsnet/models/capsnet.h"
+#include "capsnet/train/evaluate.h"
+
+namespace capsnet::train {
+
+struct TrainOptions {
+  models::CapsNetConfig model;
+  std::string out_dir = "runs/mnist";  // checkpoint.pt and metrics.jsonl go here
+  int64_t epochs = 1;
+  int64_t max_steps = 0;      // > 0: stop after this many optimizer steps in total (overrides epochs)
+  int64_t batch_size = 100;
+  double lr = 1e-3;
+  double lr_decay = 0.96;     // multiplied into the learning rate once per epoch, applied smoothly per step
+  int64_t max_shift = 2;      // random translation, pixels in each direction
+  uint64_t seed = 1;
+  int64_t checkpoint_every = 500;  // steps; 0 = only at epoch ends and at the end
+  int64_t log_every = 50;          // steps between "train" metric records
+  bool evaluate_each_epoch = true;
+  int64_t eval_batch_size = 250;
+  std::string resume;         // checkpoint path to continue from ("" = start fresh)
+  bool progress = true;
+
+  /// Throws std::invalid_argument naming the first bad option.
+  void validate() const;
+  nlohmann::json to_json() const;
+};
+
+/// Thrown when the loss or a weight stops being finite; the last good checkpoint is kept.
+class TrainingDiverged : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct TrainResult {
+  int64_t start_step = 0, end_step = 0;
+  double seconds = 0;            // wall time of the optimisation steps of this run
+  double images_per_second = 0;  // training throughput of this run
+  std::vector<double> losses;    // total loss of every step of this run, in order
+  std::optional<EvalResult> test;  // last evaluation, when a test set was given
+  std::string checkpoint;        // path of the last checkpoint written
+};
+
+/// Trains a CapsNet on `train_set`, evaluating on `test_set` (may be null) at each epoch end.
+/// Log lines go to `log`; the progress bar to stderr.
+TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, const data::ImageSet* test_set,
+                  std::ostream& log);
+
+/// Path of the checkpoint / metrics file inside an output directory.
+std::string checkpoint_path(const std::string& out_dir);
+std::string metrics_path(const std::string& out_dir);
+
+}  // namespace capsnet::train

@@ -1,0 +1,80 @@
+// capsnet: command-line tool. Subcommands are listed in kCommands; each lives in its own file.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+
+#include <iostream>
+#include <vector>
+
+#include "capsnet/data/idx.h"
+#include "capsnet/train/checkpoint.h"
+#include "capsnet/train/runtime.h"
+#include "capsnet/train/trainer.h"
+#include "capsnet/viz/png.h"
+#include "cli/commands.h"
+
+namespace {
+constexpr int kExitError = 1;
+constexpr int kExitDiverged = 3;
+}  // namespace
+
+int main(int argc, char** argv) {
+  capsnet::configure_runtime(argc, argv);
+  CLI::App app{"capsnet: capsule networks (Sabour, Frosst & Hinton 2017) in C++ on LibTorch"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "capsnet 0.1.0");
+
+  const std::vector<capsnet::cli::Subcommand> commands = {
+      capsnet::cli::add_train(app), capsnet::cli::add_eval(app), capsnet::cli::add_predict(app)};
+
+  std::string help_topic;
+  auto* help = app.add_subcommand("help", "Show help for capsnet or one of its commands");
+  help->add_option("command", help_topic, "Command to describe");
+
+  if (argc > 1 && argv[1][0] != '-') {
+    std::vector<std::string> names;
+    for (const auto* sub : app.get_subcommands({})) names.push_back(sub->get_name());
+    if (std::find(names.begin(), names.end(), argv[1]) == names.end()) {
+      std::cerr << fmt::format("capsnet: error: unknown command '{}' (commands: {})\n", argv[1],
+                               fmt::join(names, ", "));
+      return kExitError;
+    }
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  if (help->parsed()) {
+    app.clear();  // help() of a parsed app describes its parsed subcommand, not the tool
+    for (const auto& c : commands)
+      if (c.app->get_name() == help_topic) {
+        std::cout << c.app->help();
+        return 0;
+      }
+    if (!help_topic.empty()) {
+      std::cerr << fmt::format("capsnet: error: unknown command '{}'\n", help_topic);
+      std::cerr << app.help();
+      return kExitError;
+    }
+    std::cout << app.help();
+    return 0;
+  }
+
+  try {
+    for (const auto& c : commands)
+      if (c.app->parsed()) return c.run();
+  } catch (const capsnet::train::TrainingDiverged& e) {
+    std::cerr << "\ncapsnet: training diverged: " << e.what() << '\n';
+    return kExitDiverged;
+  } catch (const std::exception& e) {
+    // IdxError, CheckpointError, PngError, invalid options, I/O: one clear line, no stack trace.
+    std::string what = e.what();
+    if (auto pos = what.find("\nException raised from"); pos != std::string::npos) what.resize(pos);
+    std::cerr << "\ncapsnet: error: " << what << '\n';
+    return kExitError;
+  }
+  return kExitError;
+}

@@ -1,0 +1,18 @@
+# CUDA kernels are compiled only when the LibTorch found was built with CUDA and nvcc exists.
+# Nothing outside capsnet/ops/cuda/ depends on the outcome.
+set(CAPSNET_WITH_CUDA OFF)
+if(NOT CAPSNET_CUDA STREQUAL "OFF")
+  set(_torch_has_cuda OFF)
+  if(TARGET torch_cuda OR CUDA_FOUND OR TORCH_CUDA_LIBRARIES)
+    set(_torch_has_cuda ON)
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(_torch_has_cuda AND CMAKE_CUDA_COMPILER)
+    enable_language(CUDA)
+    set(CAPSNET_WITH_CUDA ON)
+  elseif(CAPSNET_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "CAPSNET_CUDA=ON but LibTorch has no CUDA or nvcc was not found")
+  endif()
+endif()
+message(STATUS "capsnet: CUDA kernels ${CAPSNET_WITH_CUDA}")

@@ -1,0 +1,262 @@
+// Training loop, checkpoints and exact resume, on a tiny model and synthetic data.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "capsnet/train/checkpoint.h"
+#include "capsnet/train/trainer.h"
+#include "test_helpers.h"
+
+namespace capsnet {
+namespace {
+
+using testing::TempDir;
+
+train::TrainOptions tiny_options(const std::string& out_dir) {
+  train::TrainOptions o;
+  o.model = testing::tiny_config();
+  o.out_dir = out_dir;
+  o.batch_size = 16;
+  o.lr = 3e-3;
+  o.max_shift = 1;
+  o.seed = 7;
+  o.progress = false;
+  o.log_every = 2;
+  return o;
+}
+
+std::vector<nlohmann::json> read_jsonl(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<nlohmann::json> out;
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+TEST(TrainerTest, ResumeReproducesTheUninterruptedRunExactly) {
+  auto set = testing::synthetic_set(50, 12, 1);  // 4 steps per epoch, the last one partial
+  TempDir dir;
+  std::ostringstream log;
+
+  auto full = tiny_options(dir / "full");
+  full.max_steps = 7;  // crosses two epoch boundaries
+  auto a = train::train(full, set, nullptr, log);
+  ASSERT_EQ(a.losses.size(), 7u);
+
+  auto first = tiny_options(dir / "part");
+  first.max_steps = 3;
+  auto b = train::train(first, set, nullptr, log);
+  ASSERT_EQ(b.losses.size(), 3u);
+
+  auto rest = tiny_options(dir / "rest");
+  rest.max_steps = 7;
+  rest.resume = b.checkpoint;
+  auto c = train::train(rest, set, nullptr, log);
+  ASSERT_EQ(c.start_step, 3);
+  ASSERT_EQ(c.losses.size(), 4u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(b.losses[i], a.losses[i]) << "step " << i;
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(c.losses[i], a.losses[i + 3]) << "step " << i + 3;
+
+  // The resumed weights end where the uninterrupted ones did.
+  auto wa = train::load_model(a.checkpoint), wc = train::load_model(c.checkpoint);
+  auto pa = wa->parameters(), pc = wc->parameters();
+  ASSERT_EQ(pa.size(), pc.size());
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::equal(pa[i], pc[i])) << "parameter " << i;
+}
+
+TEST(TrainerTest, LossDecreasesAndMetricsAreWritten) {
+  auto set = testing::synthetic_set(160, 12, 2);
+  auto test = testing::synthetic_set(40, 12, 3);
+  TempDir dir;
+  std::ostringstream log;
+  auto o = tiny_options(dir / "run");
+  o.epochs = 4;
+  auto r = train::train(o, set, &test, log);
+  ASSERT_EQ(r.losses.size(), 40u);
+  double head = 0, tail = 0;
+  for (int i = 0; i < 5; ++i) head += r.losses[i], tail += r.losses[r.losses.size() - 1 - i];
+  EXPECT_LT(tail, 0.7 * head) << log.str();
+  ASSERT_TRUE(r.test.has_value());
+  EXPECT_EQ(r.test->examples, 40);
+  EXPECT_EQ(r.test->confusion.sum().item<int64_t>(), 40);
+
+  auto records = read_jsonl(train::metrics_path(o.out_dir));
+  ASSERT_FALSE(records.empty());
+  EXPECT_EQ(records.front()["event"], "start");
+  EXPECT_EQ(records.front()["parameters"], models::count_parameters(*models::CapsNet(o.model)));
+  EXPECT_EQ(records.back()["event"], "end");
+  int evals = 0, trains = 0;
+  for (const auto& j : records) {
+    if (j["event"] == "eval") {
+      ++evals;
+      EXPECT_GE(j["accuracy"].get<double>(), 0.0);
+      EXPECT_LE(j["accuracy"].get<double>(), 1.0);
+    }
+    if (j["event"] == "train") {
+      ++trains;
+      EXPECT_TRUE(std::isfinite(j["loss"].get<double>()));
+      EXPECT_GT(j["lr"].get<double>(), 0.0);
+    }
+  }
+  EXPECT_EQ(evals, 4);   // one per epoch
+  EXPECT_EQ(trains, 20); // every 2 steps
+}
+
+TEST(TrainerTest, LearningRateDecaysPerEpoch) {
+  auto set = testing::synthetic_set(32, 12, 4);  // 2 steps per epoch
+  TempDir dir;
+  std::ostringstream log;
+  auto o = tiny_options(dir / "run");
+  o.max_steps = 4;
+  o.log_every = 1;
+  o.lr_decay = 0.5;
+  train::train(o, set, nullptr, log);
+  std::vector<double> lrs;
+  for (const auto& j : read_jsonl(train::metrics_path(o.out_dir)))
+    if (j["event"] == "train") lrs.push_back(j["lr"].get<double>());
+  ASSERT_EQ(lrs.size(), 4u);
+  EXPECT_DOUBLE_EQ(lrs[0], o.lr);                  // step 0
+  EXPECT_DOUBLE_EQ(lrs[1], o.lr * std::sqrt(0.5));  // half an epoch
+  EXPECT_DOUBLE_EQ(lrs[2], o.lr * 0.5);             // one epoch
+}
+
+TEST(TrainerTest, DivergenceStopsWithClearErrorAndKeepsLastGoodCheckpoint) {
+  auto set = testing::synthetic_set(64, 12, 5);
+  TempDir dir;
+  std::ostringstream log;
+  auto o = tiny_options(dir / "run");
+  o.max_steps = 20;
+  o.checkpoint_every = 1;
+  o.lr = 1e30;  // the first Adam step moves every weight by ~1e30: the next forward overflows
+  try {
+    train::train(o, set, nullptr, log);
+    FAIL() << "expected TrainingDiverged";
+  } catch (const train::TrainingDiverged& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("step"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("lower --lr"), std::string::npos) << msg;
+  }
+  // Whatever checkpoint exists is loadable and finite.
+  const auto ckpt = train::checkpoint_path(o.out_dir);
+  if (std::filesystem::exists(ckpt)) {
+    auto model = train::load_model(ckpt);
+    for (const auto& p : model->parameters()) EXPECT_TRUE(torch::isfinite(p).all().item<bool>());
+  }
+}
+
+TEST(TrainerTest, ResumeRejectsOptionsThatWouldChangeTheRun) {
+  auto set = testing::synthetic_set(32, 12, 6);
+  TempDir dir;
+  std::ostringstream log;
+  auto o = tiny_options(dir / "run");
+  o.max_steps = 1;
+  auto r = train::train(o, set, nullptr, log);
+  auto again = tiny_options(dir / "run2");
+  again.max_steps = 2;
+  again.batch_size = 8;
+  again.resume = r.checkpoint;
+  try {
+    train::train(again, set, nullptr, log);
+    FAIL() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("batch_size"), std::string::npos) << e.what();
+  }
+}
+
+TEST(TrainerTest, InvalidOptionsAreRejectedByName) {
+  auto set = testing::synthetic_set(8, 12, 7);
+  TempDir dir;
+  std::ostringstream log;
+  auto expect_invalid = [&](train::TrainOptions o, const std::string& phrase) {
+    try {
+      train::train(o, set, nullptr, log);
+      ADD_FAILURE() << "expected invalid_argument mentioning " << phrase;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(phrase), std::string::npos) << e.what();
+    }
+  };
+  auto base = tiny_options(dir / "x");
+  base.max_steps = 1;
+  auto o = base;
+  o.batch_size = 0;
+  expect_invalid(o, "batch size");
+  o = base;
+  o.lr = -1;
+  expect_invalid(o, "learning rate");
+  o = base;
+  o.lr_decay = 1.5;
+  expect_invalid(o, "lr decay");
+  o = base;
+  o.max_shift = 12;
+  expect_invalid(o, "max shift");
+  o = base;
+  o.model.image_size = 28;  // data is 12x12
+  expect_invalid(o, "model expects");
+}
+
+TEST(CheckpointTest, RoundTripRestoresWeightsAndMeta) {
+  TempDir dir;
+  torch::manual_seed(3);
+  models::CapsNet model(testing::tiny_config());
+  const auto path = dir / "c.pt";
+  train::save_checkpoint(path, model, nullptr, {42, model->config.to_json(), {{"batch_size", 5}}});
+  auto meta = train::read_checkpoint_meta(path);
+  EXPECT_EQ(meta.step, 42);
+  EXPECT_EQ(meta.train_options["batch_size"], 5);
+  auto loaded = train::load_model(path);
+  EXPECT_EQ(loaded->config.to_json(), model->config.to_json());
+  auto a = model->parameters(), b = loaded->parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i]));
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp." + std::to_string(::getpid())));
+}
+
+TEST(CheckpointTest, DamagedFilesGiveAClearError) {
+  TempDir dir;
+  models::CapsNet model(testing::tiny_config());
+  const auto good = dir / "good.pt";
+  train::save_checkpoint(good, model, nullptr, {1, model->config.to_json(), {}});
+  const auto size = std::filesystem::file_size(good);
+
+  auto expect_error = [](const std::string& path, const std::string& phrase) {
+    try {
+      train::load_model(path);
+      ADD_FAILURE() << "expected CheckpointError for " << path;
+    } catch (const train::CheckpointError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(path), std::string::npos) << msg;
+      EXPECT_NE(msg.find(phrase), std::string::npos) << msg;
+    }
+  };
+  expect_error(dir / "missing.pt", "no such file");
+
+  const auto truncated = dir / "truncated.pt";
+  std::filesystem::copy_file(good, truncated);
+  std::filesystem::resize_file(truncated, size / 2);
+  expect_error(truncated, "cannot be read");
+
+  const auto garbage = dir / "garbage.pt";
+  std::ofstream(garbage) << "this is not a checkpoint";
+  expect_error(garbage, "cannot be read");
+
+  // A valid torch archive without capsnet metadata.
+  const auto foreign = dir / "foreign.pt";
+  torch::save(torch::ones({3}), foreign);
+  expect_error(foreign, "capsnet");
+}
+
+TEST(CheckpointTest, LoadingIntoADifferentModelIsRefused) {
+  TempDir dir;
+  models::CapsNet model(testing::tiny_config());
+  const auto path = dir / "c.pt";
+  train::save_checkpoint(path, model, nullptr, {1, model->config.to_json(), {}});
+  auto other_config = testing::tiny_config();
+  other_config.digit_dim = 6;
+  models::CapsNet other(other_config);
+  EXPECT_THROW(train::load_checkpoint(path, other, nullptr), train::CheckpointError);
+}
+
+}  // namespace
+}  // namespace capsnet
