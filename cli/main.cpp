@@ -26,7 +26,8 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "capsnet 0.1.0");
 
   const std::vector<capsnet::cli::Subcommand> commands = {
-      capsnet::cli::add_train(app), capsnet::cli::add_eval(app), capsnet::cli::add_predict(app)};
+      capsnet::cli::add_train(app), capsnet::cli::add_eval(app), capsnet::cli::add_predict(app),
+      capsnet::cli::add_reconstruct(app)};
 
   std::string help_topic;
   auto* help = app.add_subcommand("help", "Show help for capsnet or one of its commands");

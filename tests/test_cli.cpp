@@ -107,6 +107,22 @@ TEST_F(CliTest, PredictClassifiesIdxAndPng) {
   expect_contains(p.output, png + ": ");
 }
 
+TEST_F(CliTest, ReconstructWritesTheFigure) {
+  const auto png = dir_->str() + "/recon.png";
+  auto r = run_command(kCli + " reconstruct --checkpoint " + run_ + "/checkpoint.pt --data " + data_ +
+                       " --correct 3 --wrong 2 --out " + png);
+  ASSERT_EQ(r.status, 0) << r.output;
+  expect_contains(r.output, "(l,p,r)=");
+  auto figure = viz::read_png_gray(png);
+  // Panels are 56 px wide (28 px zoomed 2x), 4 px apart, at most 9 per row.
+  const int64_t panels = std::count(r.output.begin(), r.output.end(), '=');
+  ASSERT_GE(panels, 1);
+  const int64_t cols = std::min<int64_t>(panels, 9);
+  EXPECT_EQ(figure.size(1), cols * (56 + 4) + 4);
+  const int64_t rows = (panels + 8) / 9, panel_height = 14 + 56 + 2 + 56;  // caption, input, gap, reconstruction
+  EXPECT_EQ(figure.size(0), rows * (panel_height + 4) + 4);
+}
+
 TEST_F(CliTest, ResumeContinuesFromTheCheckpointStep) {
   auto r = run_command(kCli + " train --data " + data_ + " --out " + dir_->str() + "/resumed --steps 4 --batch-size 16" +
                        " --no-progress --no-eval --resume " + run_ + "/checkpoint.pt");
