@@ -15,7 +15,8 @@ Subcommand add_train(CLI::App& root) {
     train::TrainOptions o;
     std::string data_dir = "data/mnist";
     int64_t train_limit = 0, test_limit = 0;
-    bool no_reconstruction = false, stop_routing_grad = false, no_eval = false, no_progress = false;
+    bool no_reconstruction = false, stop_routing_grad = false, no_eval = false, no_progress = false,
+         composite_routing = false;
     int threads = 0;
   };
   auto f = std::make_shared<Flags>();
@@ -35,6 +36,8 @@ Subcommand add_train(CLI::App& root) {
       ->capture_default_str();
   app->add_flag("--stop-routing-grad", f->stop_routing_grad,
                 "Treat coupling coefficients c_ij as constants in backprop (default: full gradient)");
+  app->add_flag("--composite-routing", f->composite_routing,
+                "Route with plain tensor ops instead of the fused operator (same math; slower, more memory)");
   app->add_flag("--no-reconstruction", f->no_reconstruction, "No decoder and no reconstruction loss");
   app->add_option("--max-shift", f->o.max_shift, "Random shift augmentation, pixels")
       ->check(CLI::Range(0, 27))
@@ -60,6 +63,7 @@ Subcommand add_train(CLI::App& root) {
             f->o.model.reconstruction = !f->no_reconstruction;
             f->o.model.grad_through_routing = !f->stop_routing_grad;
             f->o.evaluate_each_epoch = !f->no_eval;
+            f->o.fused_routing = !f->composite_routing;
             f->o.progress = !f->no_progress;
             f->o.validate();  // before loading 50 MB of data
             auto train_set = data::take(data::load_mnist(f->data_dir, data::Split::kTrain), f->train_limit);

@@ -247,3 +247,30 @@ TEST(LayersTest, GradcheckLossesAndSquash) {
 }
 
 }  // namespace
+
+namespace {
+// The fused operator (default) and the composite path (predictions + dynamic_routing) agree at the
+// paper's size in float32, in values and in gradients w.r.t. input and weights, in both modes.
+TEST(LayersFusedTest, FusedAndCompositePathsAgreeAtPaperSize) {
+  for (bool grad_through : {true, false}) {
+    torch::manual_seed(29);
+    cn::CapsuleLinear fused(cn::CapsuleLinearOptions(1152, 8, 10, 16).grad_through_routing(grad_through));
+    cn::CapsuleLinear composite(
+        cn::CapsuleLinearOptions(1152, 8, 10, 16).grad_through_routing(grad_through).fused(false));
+    {
+      torch::NoGradGuard g;
+      composite->weight.copy_(fused->weight);
+    }
+    auto u = capsnet::squash(torch::randn({4, 1152, 8})).set_requires_grad(true);
+    auto u2 = u.detach().clone().set_requires_grad(true);
+    auto v1 = fused(u), v2 = composite(u2);
+    EXPECT_TRUE(torch::allclose(v1, v2, 1e-5, 1e-6)) << (v1 - v2).abs().max().item<float>();
+    auto g = torch::randn_like(v1);
+    (v1 * g).sum().backward();
+    (v2 * g).sum().backward();
+    EXPECT_TRUE(torch::allclose(u.grad(), u2.grad(), 1e-4, 1e-6)) << (u.grad() - u2.grad()).abs().max().item<float>();
+    EXPECT_TRUE(torch::allclose(fused->weight.grad(), composite->weight.grad(), 1e-4, 1e-6))
+        << (fused->weight.grad() - composite->weight.grad()).abs().max().item<float>();
+  }
+}
+}  // namespace

@@ -63,6 +63,8 @@ class CapsNetImpl : public torch::nn::Cloneable<CapsNetImpl> {
   CapsNetOutput forward(const torch::Tensor& images, const std::optional<torch::Tensor>& labels = std::nullopt);
   /// Decodes one (masked) capsule per example. v: [B, K, D]; which: [B] -> [B, C*H*W].
   torch::Tensor decode(const torch::Tensor& v, const torch::Tensor& which);
+  /// Routes with the fused operator (default) or the composite reference-style path; same math.
+  void set_fused_routing(bool fused) { digit_caps->options.fused(fused); }
   /// margin loss + reconstruction_scale * SSE (paper Sec. 4.1).
   CapsNetLoss loss(const CapsNetOutput& out, const torch::Tensor& images, const torch::Tensor& labels) const;
 

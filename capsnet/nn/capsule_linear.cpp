@@ -1,5 +1,7 @@
 #include "capsnet/nn/capsule_linear.h"
 
+#include "capsnet/ops/routing.h"
+
 namespace capsnet::nn {
 
 CapsuleLinearImpl::CapsuleLinearImpl(const CapsuleLinearOptions& options_) : options(options_) { reset(); }
@@ -32,6 +34,11 @@ torch::Tensor CapsuleLinearImpl::predictions(const torch::Tensor& u) {
 }
 
 torch::Tensor CapsuleLinearImpl::forward(const torch::Tensor& u) {
+  if (options.fused() && u.is_cpu() && weight.is_cpu()) {
+    TORCH_CHECK(u.dim() == 3 && u.size(1) == options.in_caps() && u.size(2) == options.in_dim(),
+                "CapsuleLinear: input must be [B, ", options.in_caps(), ", ", options.in_dim(), "], got ", u.sizes());
+    return ops::capsule_routing(u, weight, options.routing_iterations(), options.grad_through_routing());
+  }
   return dynamic_routing(predictions(u), routing_options());
 }
 

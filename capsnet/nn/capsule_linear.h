@@ -15,6 +15,9 @@ struct CapsuleLinearOptions {
   TORCH_ARG(int64_t, routing_iterations) = 3;
   TORCH_ARG(bool, grad_through_routing) = true;
   TORCH_ARG(double, weight_std) = 0.01;
+  /// true: the fused operator capsnet::capsule_routing (CPU tensors; never stores u_hat for the batch);
+  /// false, or tensors on other devices: predictions() + dynamic_routing(). Same math, tested equal.
+  TORCH_ARG(bool, fused) = true;
 };
 
 /// DigitCaps: a fully connected capsule layer with dynamic routing.

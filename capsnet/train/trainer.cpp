@@ -95,6 +95,7 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
 
   torch::manual_seed(options.seed);
   models::CapsNet model(options.model);
+  model->set_fused_routing(options.fused_routing);
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(options.lr));
   const std::string ckpt = checkpoint_path(options.out_dir);
 

@@ -33,6 +33,7 @@ struct TrainOptions {
   int64_t eval_batch_size = 250;
   std::string resume;         // checkpoint path to continue from ("" = start fresh)
   bool progress = true;
+  bool fused_routing = true;  // the fused routing operator (false: composite ops; same math)
 
   /// Throws std::invalid_argument naming the first bad option.
   void validate() const;

@@ -1,0 +1,35 @@
+#pragma once
+// Fused dynamic-routing operators (Sabour, Frosst & Hinton 2017, Procedure 1), registered with the
+// dispatcher as capsnet::capsule_routing and capsnet::routing_from_predictions (library.cpp).
+// These C++ wrappers call the dispatcher, so autograd and the per-device kernels apply; from Python:
+//   torch.ops.load_library("libcapsnet_ops.so"); torch.ops.capsnet.capsule_routing(u, W, 3, True)
+//
+// Math per example b (softmax over the parents j; A^t = sum_{t'<t} v^(t'), A^0 = 0):
+//   u_hat_{j|i} = W_ij u_i,  c_i^t = softmax_j(u_hat_{j|i} . A_j^t),  s_j^t = sum_i c_ij^t u_hat_{j|i},
+//   v^t = squash(s^t) (eps = kSquashEps inside the sqrt), output v^(r-1).
+// This equals capsnet::dynamic_routing / detail::reference_routing (b_ij = u_hat_{j|i} . A_j^t), in
+// both gradient modes. Only per-example [r, J, D] state is kept; u_hat is recomputed on the fly.
+// Derivation of the backward pass and memory argument: docs/kernels.md.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace capsnet::ops {
+
+/// Epsilon inside the squash norm; equal to capsnet::kNormEps (the ops library may not include nn/).
+inline constexpr double kSquashEps = 1e-8;
+
+/// Fused prediction + routing (DigitCaps without materialising u_hat).
+/// u: [B, I, Din] child capsules u_i; W: [I, J, D, Din] matrices W_ij (same dtype float32/float64, same
+/// device); iterations r >= 1. Returns v: [B, J, D].
+/// grad_through_routing = true: full gradient through every iteration (authors' code);
+/// false: the coupling coefficients c_ij are constants, only the final s_j = sum_i c_ij u_hat carries gradient.
+at::Tensor capsule_routing(const at::Tensor& u, const at::Tensor& W, int64_t iterations = 3,
+                           bool grad_through_routing = true);
+
+/// Routing on precomputed predictions (the same kernel with u_hat read instead of recomputed).
+/// u_hat: [B, I, J, D] prediction vectors u_hat_{j|i}. Returns v: [B, J, D].
+at::Tensor routing_from_predictions(const at::Tensor& u_hat, int64_t iterations = 3, bool grad_through_routing = true);
+
+}  // namespace capsnet::ops
