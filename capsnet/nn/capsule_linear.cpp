@@ -16,6 +16,11 @@ void CapsuleLinearImpl::reset() {
                     options.weight_std());
 }
 
+void CapsuleLinearImpl::check_input(const torch::Tensor& u) const {
+  TORCH_CHECK(u.dim() == 3 && u.size(1) == options.in_caps() && u.size(2) == options.in_dim(),
+              "CapsuleLinear: input must be [B, ", options.in_caps(), ", ", options.in_dim(), "], got ", u.sizes());
+}
+
 RoutingOptions CapsuleLinearImpl::routing_options() const {
   RoutingOptions r;
   r.iterations = options.routing_iterations();
@@ -24,8 +29,7 @@ RoutingOptions CapsuleLinearImpl::routing_options() const {
 }
 
 torch::Tensor CapsuleLinearImpl::predictions(const torch::Tensor& u) {
-  TORCH_CHECK(u.dim() == 3 && u.size(1) == options.in_caps() && u.size(2) == options.in_dim(),
-              "CapsuleLinear: input must be [B, ", options.in_caps(), ", ", options.in_dim(), "], got ", u.sizes());
+  check_input(u);
   const auto B = u.size(0), I = options.in_caps(), J = options.out_caps(), D = options.out_dim();
   // One small matmul per child capsule i, batched over i: [I, J*D, Din] x [I, Din, B] -> [I, J*D, B].
   auto w = weight.view({I, J * D, options.in_dim()});
@@ -35,8 +39,7 @@ torch::Tensor CapsuleLinearImpl::predictions(const torch::Tensor& u) {
 
 torch::Tensor CapsuleLinearImpl::forward(const torch::Tensor& u) {
   if (options.fused() && u.is_cpu() && weight.is_cpu()) {
-    TORCH_CHECK(u.dim() == 3 && u.size(1) == options.in_caps() && u.size(2) == options.in_dim(),
-                "CapsuleLinear: input must be [B, ", options.in_caps(), ", ", options.in_dim(), "], got ", u.sizes());
+    check_input(u);
     return ops::capsule_routing(u, weight, options.routing_iterations(), options.grad_through_routing());
   }
   return dynamic_routing(predictions(u), routing_options());

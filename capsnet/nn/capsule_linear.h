@@ -31,6 +31,8 @@ class CapsuleLinearImpl : public torch::nn::Cloneable<CapsuleLinearImpl> {
   torch::Tensor predictions(const torch::Tensor& u);
   torch::Tensor forward(const torch::Tensor& u);
   RoutingOptions routing_options() const;
+  /// Throws c10::Error unless u is [B, in_caps, in_dim].
+  void check_input(const torch::Tensor& u) const;
 
   CapsuleLinearOptions options;
   torch::Tensor weight;
