@@ -3,10 +3,11 @@
 
 namespace capsnet {
 
-/// 1. OpenBLAS 0.3.21 (Debian 12) does not recognise AVX-512 CPUs newer than it (e.g. AMD Zen 4)
-///    and falls back to slow kernels; OPENBLAS_CORETYPE=SkylakeX measured 5x on large matmuls.
-///    OpenBLAS reads it when the library loads, so if it is unset on such a CPU the process
-///    re-executes itself once with it set (CAPSNET_NO_REEXEC=1 disables this).
+/// 1. OpenBLAS 0.3.21 (Debian 12) can mis-detect AVX-512 CPUs newer than it and fall back to slow
+///    kernels (5x on large matmuls where it did); OPENBLAS_CORETYPE=SkylakeX avoids that and costs
+///    nothing where detection works (docs/results.md). OpenBLAS reads it when the library loads, so
+///    if it is unset on an AVX-512 CPU the process re-executes itself once with it set
+///    (CAPSNET_NO_REEXEC=1 disables this).
 /// 2. Torch intra-op threads = all cores (LibTorch defaults to 1 here), or $CAPSNET_THREADS.
 void configure_runtime(int argc, char** argv);
 
