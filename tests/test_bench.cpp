@@ -1,0 +1,108 @@
+// capsnet bench: the in-process measurement (train::run_benchmark) and the side-by-side CLI driver,
+// including the plain-PyTorch peer (Debian's /usr/bin/python3 + python3-torch, installed by setup.sh).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "capsnet/train/benchmark.h"
+#include "test_helpers.h"
+
+namespace capsnet {
+namespace {
+
+using testing::run_command;
+const std::string kCli = CAPSNET_CLI;
+
+train::BenchOptions tiny_bench() {
+  train::BenchOptions o;
+  o.model = testing::tiny_config();
+  o.batch_size = 4;
+  o.warmup_steps = 1;
+  o.steps = 2;
+  o.infer_batches = 1;
+  o.latency_runs = 2;
+  return o;
+}
+
+TEST(BenchmarkTest, MeasuresPositiveFiniteFiguresForBothRoutingPaths) {
+  for (bool fused : {true, false}) {
+    auto o = tiny_bench();
+    o.fused_routing = fused;
+    const auto r = train::run_benchmark(o);
+    for (double x : {r.train_img_s, r.infer_img_s, r.latency_b1_ms, r.train_peak_rss_mb}) {
+      EXPECT_TRUE(std::isfinite(x)) << "fused=" << fused;
+      EXPECT_GT(x, 0) << "fused=" << fused;
+    }
+    // The peak is reset to the current RSS just before training, so the growth can't be negative.
+    EXPECT_GE(r.train_rss_growth_mb, -0.5) << "fused=" << fused;
+    const auto j = r.to_json();
+    EXPECT_DOUBLE_EQ(j.at("train_img_s").get<double>(), r.train_img_s);
+    EXPECT_DOUBLE_EQ(j.at("latency_b1_ms").get<double>(), r.latency_b1_ms);
+  }
+}
+
+TEST(BenchmarkTest, PeakRssResetsAndTracksAnAllocation) {
+  train::reset_peak_rss();
+  const double before = train::peak_rss_mb();
+  {
+    // 64 MB, touched so it is resident.
+    std::vector<char> block(64 << 20, 1);
+    EXPECT_GE(train::rss_mb(), before + 50);
+    EXPECT_GE(train::peak_rss_mb(), before + 50);
+  }
+  train::reset_peak_rss();
+  // After the reset the peak is the current RSS again (allocator caches may keep some of the block).
+  EXPECT_NEAR(train::peak_rss_mb(), train::rss_mb(), 1.0);
+}
+
+TEST(BenchmarkTest, RejectsNonPositiveCounts) {
+  auto o = tiny_bench();
+  o.steps = 0;
+  EXPECT_THROW(train::run_benchmark(o), c10::Error);
+  o = tiny_bench();
+  o.batch_size = 0;
+  EXPECT_THROW(train::run_benchmark(o), c10::Error);
+}
+
+TEST(BenchCliTest, RunsFusedReferenceAndPeerSideBySideAndWritesJsonLines) {
+  testing::TempDir dir;
+  const std::string jsonl = dir / "bench.jsonl";
+  auto r = run_command(kCli + " bench --batch-size 2 --steps 1 --infer-batches 1 --latency-runs 1 --repeats 1" +
+                       " --jsonl " + jsonl);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("fused vs peer: training"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fused vs reference: training"), std::string::npos) << r.output;
+
+  std::ifstream in(jsonl);
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(lines.size(), 4u);  // one per configuration, then the summary
+  std::vector<std::string> configs;
+  for (size_t i = 0; i < 3; ++i) {
+    configs.push_back(lines[i].at("config").get<std::string>());
+    EXPECT_EQ(lines[i].at("batch_size").get<int64_t>(), 2);
+    EXPECT_GT(lines[i].at("train_img_s").get<double>(), 0);
+    EXPECT_GT(lines[i].at("train_peak_rss_mb").get<double>(), 0);
+  }
+  EXPECT_EQ(configs, (std::vector<std::string>{"fused", "reference", "peer"}));
+  const auto& summary = lines[3];
+  ASSERT_TRUE(summary.at("summary").get<bool>());
+  const double fused = summary.at("median").at("fused").at("train_img_s").get<double>();
+  const double peer = summary.at("median").at("peer").at("train_img_s").get<double>();
+  EXPECT_NEAR(summary.at("ratios").at("fused/peer").at("train_speedup").get<double>(), fused / peer, 1e-9);
+}
+
+TEST(BenchCliTest, UnknownConfigurationAndMissingPythonAreClearErrors) {
+  auto r = run_command(kCli + " bench --configs fused,tensorflow");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("tensorflow"), std::string::npos) << r.output;
+  r = run_command(kCli + " bench --configs peer --python /nonexistent/python3");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("/nonexistent/python3"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace capsnet
