@@ -17,6 +17,7 @@ Subcommand add_train(CLI::App& root);
 Subcommand add_eval(CLI::App& root);
 Subcommand add_predict(CLI::App& root);
 Subcommand add_reconstruct(CLI::App& root);
+Subcommand add_perturb(CLI::App& root);
 Subcommand add_bench(CLI::App& root);
 
 /// Flags shared by the subcommands that compute: --threads.
