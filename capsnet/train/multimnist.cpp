@@ -1,0 +1,340 @@
+#include "capsnet/train/multimnist.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
+
+#include "capsnet/train/checkpoint.h"
+#include "capsnet/train/metrics.h"
+#include "capsnet/train/trainer.h"
+#include "capsnet/viz/figures.h"
+
+namespace capsnet::train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// The lr decays per 60,000 pairs, the size of an MNIST epoch, so that the schedule does not depend on
+// the batch size and matches `capsnet train` image for image.
+constexpr double kDecayImages = 60000.0;
+
+void check_pairs_fit(const models::CapsNetConfig& config, const data::MultiMnist& pairs, const char* what) {
+  if (config.image_channels != 1 || config.image_size != pairs.canvas_size())
+    throw std::invalid_argument(fmt::format("{} pairs are 1x{}x{} but the model expects {}x{}x{}", what,
+                                            pairs.canvas_size(), pairs.canvas_size(), config.image_channels,
+                                            config.image_size, config.image_size));
+}
+
+}  // namespace
+
+void MultiMnistTrainOptions::validate() const {
+  auto fail = [](const std::string& msg) { throw std::invalid_argument(msg); };
+  model.validate();
+  if (model.num_classes < 2) fail("multimnist: the model needs at least 2 classes");
+  if (steps <= 0) fail(fmt::format("steps must be positive, got {}", steps));
+  if (batch_size <= 0) fail(fmt::format("batch size must be positive, got {}", batch_size));
+  if (eval_batch_size <= 0) fail(fmt::format("eval batch size must be positive, got {}", eval_batch_size));
+  if (!(lr > 0) || !std::isfinite(lr)) fail(fmt::format("learning rate must be a positive number, got {}", lr));
+  if (!(lr_decay > 0 && lr_decay <= 1)) fail(fmt::format("lr decay must be in (0, 1], got {}", lr_decay));
+  if (log_every <= 0) fail(fmt::format("log interval must be positive, got {}", log_every));
+  if (checkpoint_every < 0) fail(fmt::format("checkpoint interval must be >= 0, got {}", checkpoint_every));
+  if (test_size < 0) fail(fmt::format("test size must be >= 0, got {}", test_size));
+  if (out_dir.empty()) fail("output directory must not be empty");
+}
+
+nlohmann::json MultiMnistTrainOptions::to_json() const {
+  return {{"task", "multimnist"}, {"steps", steps},         {"batch_size", batch_size},
+          {"lr", lr},             {"lr_decay", lr_decay},   {"seed", seed},
+          {"test_size", test_size}, {"out_dir", out_dir}};
+}
+
+MultiMnistForward forward_pair(models::CapsNet& model, const torch::Tensor& images, const torch::Tensor& which) {
+  TORCH_CHECK(which.dim() == 2 && which.size(1) == 2 && which.size(0) == images.size(0),
+              "forward_pair: which must be [B, 2] with B = ", images.size(0), ", got ", which.sizes());
+  MultiMnistForward f;
+  // forward() already decodes the capsule it is given; the second digit costs one more decoder pass only.
+  f.out = model->forward(images, which.select(1, 0));
+  if (f.out.reconstruction.defined()) {
+    auto rec_b = model->decode(f.out.digit_caps, which.select(1, 1));   // [B, C*S*S]
+    f.reconstructions = torch::stack({f.out.reconstruction, rec_b}, 1);  // [B, 2, C*S*S]
+  }
+  return f;
+}
+
+MultiMnistLoss multimnist_loss(const models::CapsNetConfig& config, const MultiMnistForward& f,
+                               const torch::Tensor& labels, const torch::Tensor& digits) {
+  const auto& lengths = f.out.lengths;  // [B, K]
+  TORCH_CHECK(labels.dim() == 2 && labels.size(1) == 2 && labels.size(0) == lengths.size(0),
+              "multimnist_loss: labels must be [B, 2] with B = ", lengths.size(0), ", got ", labels.sizes());
+  const int64_t K = lengths.size(1);
+  // T_k = 1 for both present classes. Equal labels would give T = 2 and a wrong loss: refuse them.
+  auto targets = torch::one_hot(labels.select(1, 0), K) + torch::one_hot(labels.select(1, 1), K);  // [B, K]
+  TORCH_CHECK(targets.max().item<int64_t>() <= 1, "multimnist_loss: the two labels of an example must differ");
+  MultiMnistLoss l;
+  l.margin = margin_loss_multi(lengths, targets);
+  if (f.reconstructions.defined()) {
+    TORCH_CHECK(digits.dim() >= 3 && digits.size(0) == lengths.size(0) && digits.size(1) == 2,
+                "multimnist_loss: digits must be [B, 2, C, S, S], got ", digits.sizes());
+    l.reconstruction =
+        reconstruction_loss(f.reconstructions.select(1, 0), digits.select(1, 0), config.reconstruction_scale) +
+        reconstruction_loss(f.reconstructions.select(1, 1), digits.select(1, 1), config.reconstruction_scale);
+  } else {
+    l.reconstruction = torch::zeros({}, l.margin.options());
+  }
+  l.total = l.margin + l.reconstruction;
+  return l;
+}
+
+torch::Tensor two_longest(const torch::Tensor& lengths) {
+  TORCH_CHECK(lengths.dim() == 2 && lengths.size(1) >= 2, "two_longest: lengths must be [B, K] with K >= 2, got ",
+              lengths.sizes());
+  return std::get<1>(lengths.topk(2, /*dim=*/1, /*largest=*/true, /*sorted=*/true));  // [B, 2]
+}
+
+torch::Tensor both_found(const torch::Tensor& lengths, const torch::Tensor& labels) {
+  TORCH_CHECK(labels.dim() == 2 && labels.size(1) == 2 && labels.size(0) == lengths.size(0),
+              "both_found: labels must be [B, 2] with B = ", lengths.size(0), ", got ", labels.sizes());
+  auto p = two_longest(lengths);
+  auto l = labels.to(torch::kLong);
+  auto p0 = p.select(1, 0), p1 = p.select(1, 1), l0 = l.select(1, 0), l1 = l.select(1, 1);
+  return (p0.eq(l0) & p1.eq(l1)) | (p0.eq(l1) & p1.eq(l0));  // [B]
+}
+
+MultiMnistEval evaluate_multimnist(models::CapsNet& model, const data::MultiMnist& pairs, int64_t count,
+                                   int64_t batch_size, std::ostream* progress) {
+  if (count < 1 || batch_size < 1)
+    throw std::invalid_argument(fmt::format("evaluate_multimnist: count and batch size must be >= 1, got {} and {}",
+                                            count, batch_size));
+  check_pairs_fit(model->config, pairs, "test");
+  const auto t0 = Clock::now();
+  torch::NoGradGuard no_grad;
+  const bool was_training = model->is_training();
+  model->eval();
+  MultiMnistEval r;
+  int64_t correct = 0, digits_found = 0;
+  double loss_sum = 0;
+  ProgressBar bar(progress ? *progress : std::cerr, "eval", count, progress != nullptr);
+  for (int64_t start = 0; start < count; start += batch_size) {
+    const int64_t len = std::min(batch_size, count - start);
+    auto batch = pairs.generate(start, len);
+    auto f = forward_pair(model, batch.images, batch.labels);
+    correct += both_found(f.out.lengths, batch.labels).sum().item<int64_t>();
+    auto top = two_longest(f.out.lengths);  // [B, 2]
+    // A label counts as found when it is one of the two longest capsules.
+    digits_found += (top.unsqueeze(1).eq(batch.labels.unsqueeze(2))).any(2).sum().item<int64_t>();
+    loss_sum += multimnist_loss(model->config, f, batch.labels, batch.digits).total.item<double>() *
+                static_cast<double>(len);
+    data::accumulate_overlap(r.overlap, batch.digits);
+    bar.update(start + len, fmt::format("both found {:.2f}%", 100.0 * correct / (start + len)));
+  }
+  r.examples = count;
+  r.accuracy = static_cast<double>(correct) / static_cast<double>(count);
+  r.digit_accuracy = static_cast<double>(digits_found) / static_cast<double>(2 * count);
+  r.loss = loss_sum / static_cast<double>(count);
+  r.seconds = seconds_since(t0);
+  bar.finish(fmt::format("both found {:.2f}% (error {:.2f}%)", 100 * r.accuracy, 100 * (1 - r.accuracy)));
+  if (was_training) model->train();
+  return r;
+}
+
+MultiMnistTrainResult train_multimnist(const MultiMnistTrainOptions& options, const data::MultiMnist& train_pairs,
+                                       const data::MultiMnist* test_pairs, std::ostream& log) {
+  options.validate();
+  check_pairs_fit(options.model, train_pairs, "training");
+  if (test_pairs && options.test_size > 0) check_pairs_fit(options.model, *test_pairs, "test");
+  auto options_json = options.to_json();
+  options_json["train_generator"] = {{"seed", train_pairs.seed()},
+                                     {"source_size", train_pairs.source_size()},
+                                     {"pad", train_pairs.options().pad},
+                                     {"max_shift", train_pairs.options().max_shift}};
+  if (test_pairs)
+    options_json["test_generator"] = {{"seed", test_pairs->seed()}, {"source_size", test_pairs->source_size()}};
+
+  torch::manual_seed(options.seed);
+  models::CapsNet model(options.model);
+  model->set_fused_routing(options.fused_routing);
+  model->train();
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(options.lr));
+  const std::string ckpt = checkpoint_path(options.out_dir);
+  JsonLinesWriter metrics(metrics_path(options.out_dir), /*truncate=*/true);
+  const int64_t parameters = models::count_parameters(*model);
+  metrics.write({{"event", "start"},
+                 {"step", 0},
+                 {"model", options.model.to_json()},
+                 {"train", options_json},
+                 {"parameters", parameters},
+                 {"threads", at::get_num_threads()}});
+  log << fmt::format("MultiMNIST CapsNet: {} parameters, {} primary capsules, {}x{} input, batch {}, {} steps, {} "
+                     "threads\n",
+                     parameters, options.model.num_primary_caps(), options.model.image_size,
+                     options.model.image_size, options.batch_size, options.steps, at::get_num_threads());
+
+  MultiMnistTrainResult result;
+  auto save = [&](int64_t at_step) {
+    save_checkpoint(ckpt, model, &optimizer, {at_step, options.model.to_json(), options_json});
+    result.checkpoint = ckpt;
+    metrics.write({{"event", "checkpoint"}, {"step", at_step}, {"path", ckpt}});
+  };
+
+  ProgressBar bar(std::cerr, "multimnist", options.steps, options.progress);
+  double win_loss = 0, win_margin = 0, win_recon = 0, run_loss = 0;
+  int64_t win_correct = 0, win_seen = 0, win_steps = 0, run_correct = 0;
+  for (int64_t step = 0; step < options.steps; ++step) {
+    const auto t0 = Clock::now();
+    const int64_t B = options.batch_size;
+    auto batch = train_pairs.generate(step * B, B);  // images [B, 1, S, S], digits [B, 2, 1, S, S], labels [B, 2]
+    const double lr =
+        options.lr * std::pow(options.lr_decay, static_cast<double>(step * B) / kDecayImages);
+    for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
+
+    auto f = forward_pair(model, batch.images, batch.labels);
+    auto loss = multimnist_loss(options.model, f, batch.labels, batch.digits);
+    const double loss_value = loss.total.item<double>();
+    if (!std::isfinite(loss_value))
+      throw TrainingDiverged(fmt::format("multimnist: loss is {} at step {}; stopping. Last checkpoint: {}. Try a "
+                                         "lower --lr.",
+                                         loss_value, step, result.checkpoint.empty() ? "(none)" : result.checkpoint));
+    optimizer.zero_grad();
+    loss.total.backward();
+    optimizer.step();
+
+    const int64_t correct = both_found(f.out.lengths.detach(), batch.labels).sum().item<int64_t>();
+    result.seconds += seconds_since(t0);
+    result.images_seen += B;
+    result.steps = step + 1;
+    result.losses.push_back(loss_value);
+    win_loss += loss_value;
+    win_margin += loss.margin.item<double>();
+    win_recon += loss.reconstruction.item<double>();
+    win_correct += correct;
+    win_seen += B;
+    ++win_steps;
+    run_loss += loss_value;
+    run_correct += correct;
+    const double img_s = result.images_seen / result.seconds;
+    bar.update(step + 1, fmt::format("loss {:.4f} both found {:.1f}% {:.0f} img/s", run_loss / (step + 1),
+                                     100.0 * run_correct / result.images_seen, img_s));
+    if ((step + 1) % options.log_every == 0 || step + 1 == options.steps) {
+      metrics.write({{"event", "train"},
+                     {"step", step + 1},
+                     {"images_seen", result.images_seen},
+                     {"loss", win_loss / win_steps},
+                     {"margin_loss", win_margin / win_steps},
+                     {"reconstruction_loss", win_recon / win_steps},
+                     {"accuracy", static_cast<double>(win_correct) / win_seen},
+                     {"lr", lr},
+                     {"images_per_second", img_s}});
+      win_loss = win_margin = win_recon = 0;
+      win_correct = win_seen = win_steps = 0;
+    }
+    if (options.checkpoint_every > 0 && (step + 1) % options.checkpoint_every == 0 && step + 1 < options.steps)
+      save(step + 1);
+  }
+  result.images_per_second = result.seconds > 0 ? result.images_seen / result.seconds : 0;
+  bar.finish(fmt::format("loss {:.4f} both found {:.1f}% {:.0f} img/s", run_loss / options.steps,
+                         100.0 * run_correct / result.images_seen, result.images_per_second));
+  save(options.steps);
+  log << fmt::format("trained {} steps ({} pairs) in {:.1f} s ({:.1f} img/s), mean train loss {:.4f}, both found "
+                     "{:.2f}% (on the fly, while training)\n",
+                     result.steps, result.images_seen, result.seconds, result.images_per_second,
+                     run_loss / options.steps, 100.0 * run_correct / result.images_seen);
+
+  if (test_pairs && options.test_size > 0) {
+    auto r = evaluate_multimnist(model, *test_pairs, options.test_size, options.eval_batch_size,
+                                 options.progress ? &std::cerr : nullptr);
+    metrics.write({{"event", "eval"},
+                   {"split", "test"},
+                   {"step", result.steps},
+                   {"accuracy", r.accuracy},
+                   {"error", 1 - r.accuracy},
+                   {"digit_accuracy", r.digit_accuracy},
+                   {"loss", r.loss},
+                   {"examples", r.examples},
+                   {"overlap_iou", r.overlap.mean_iou()},
+                   {"overlap_over_smaller", r.overlap.mean_over_smaller()},
+                   {"seconds", r.seconds}});
+    result.test = std::move(r);
+  }
+  metrics.write({{"event", "end"},
+                 {"step", result.steps},
+                 {"seconds", result.seconds},
+                 {"images_per_second", result.images_per_second}});
+  return result;
+}
+
+std::array<int64_t, 2> align_to_labels(std::array<int64_t, 2> p, std::array<int64_t, 2> l) {
+  if (p[1] == l[0] || p[0] == l[1]) std::swap(p[0], p[1]);
+  return p;
+}
+
+torch::Tensor multimnist_panel(const torch::Tensor& image, const torch::Tensor& reconstructions,
+                               std::array<int64_t, 2> from, std::array<int64_t, 2> labels, int64_t zoom) {
+  TORCH_CHECK(image.dim() == 2 && image.size(0) == image.size(1), "multimnist_panel: image must be [S, S], got ",
+              image.sizes());
+  TORCH_CHECK(reconstructions.dim() == 3 && reconstructions.size(0) == 2 &&
+                  reconstructions.size(1) == image.size(0) && reconstructions.size(2) == image.size(1),
+              "multimnist_panel: reconstructions must be [2, ", image.size(0), ", ", image.size(1), "], got ",
+              reconstructions.sizes());
+  TORCH_CHECK(zoom >= 1, "multimnist_panel: zoom must be >= 1, got ", zoom);
+  auto up = [zoom](const torch::Tensor& t) {
+    return t.to(torch::kFloat).repeat_interleave(zoom, 0).repeat_interleave(zoom, 1);
+  };
+  constexpr int64_t gap = 2;
+  const int64_t side = image.size(0) * zoom, width = 3 * side + 2 * gap;
+  const auto text = fmt::format("R:({},{}) L:({},{})", from[0], from[1], labels[0], labels[1]);
+  const int64_t scale = viz::text_width(text, 2) <= width ? 2 : 1, caption = 5 * scale + 4;
+  const bool right = (from[0] == labels[0] && from[1] == labels[1]) || (from[0] == labels[1] && from[1] == labels[0]);
+  auto panel = torch::zeros({caption + side, width});
+  viz::draw_text(panel, std::max<int64_t>(0, (width - viz::text_width(text, scale)) / 2), 2, text, scale,
+                 right ? 1.0f : 0.6f);  // misclassified: dimmer caption
+  panel.narrow(0, caption, side).narrow(1, 0, side).copy_(up(image));
+  for (int64_t k = 0; k < 2; ++k)
+    panel.narrow(0, caption, side).narrow(1, (k + 1) * (side + gap), side).copy_(up(reconstructions[k]));
+  return panel;
+}
+
+torch::Tensor multimnist_figure(models::CapsNet& model, const data::MultiMnist& pairs, int64_t correct,
+                                int64_t wrong, int64_t columns, int64_t scan_limit) {
+  if (correct < 0 || wrong < 0 || correct + wrong == 0)
+    throw std::invalid_argument(fmt::format("multimnist_figure: nothing to show (correct {}, wrong {})", correct, wrong));
+  if (columns < 1 || scan_limit < 1)
+    throw std::invalid_argument(
+        fmt::format("multimnist_figure: columns and scan limit must be >= 1, got {} and {}", columns, scan_limit));
+  if (!model->config.reconstruction)
+    throw std::invalid_argument("multimnist_figure: the model has no decoder (trained without reconstruction)");
+  check_pairs_fit(model->config, pairs, "figure");
+  torch::NoGradGuard no_grad;
+  const bool was_training = model->is_training();
+  model->eval();
+  const int64_t S = pairs.canvas_size();
+  std::vector<torch::Tensor> right_panels, wrong_panels;
+  for (int64_t start = 0; start < scan_limit && (static_cast<int64_t>(right_panels.size()) < correct ||
+                                                 static_cast<int64_t>(wrong_panels.size()) < wrong);
+       start += 100) {
+    const int64_t len = std::min<int64_t>(100, scan_limit - start);
+    auto batch = pairs.generate(start, len);
+    auto out = model->forward(batch.images);
+    auto top = two_longest(out.lengths);  // [B, 2]
+    auto ok = both_found(out.lengths, batch.labels);
+    for (int64_t b = 0; b < len; ++b) {
+      const bool is_right = ok[b].item<bool>();
+      auto& panels = is_right ? right_panels : wrong_panels;
+      if (static_cast<int64_t>(panels.size()) >= (is_right ? correct : wrong)) continue;
+      const std::array<int64_t, 2> labels{batch.labels[b][0].item<int64_t>(), batch.labels[b][1].item<int64_t>()};
+      const auto from = align_to_labels({top[b][0].item<int64_t>(), top[b][1].item<int64_t>()}, labels);
+      auto v = out.digit_caps.narrow(0, b, 1).expand({2, -1, -1});  // the same capsules, decoded twice
+      auto recs = model->decode(v, torch::tensor({from[0], from[1]}, torch::kLong)).view({2, S, S});
+      panels.push_back(multimnist_panel(batch.images[b][0], recs, from, labels));
+    }
+  }
+  if (was_training) model->train();
+  std::vector<torch::Tensor> panels = right_panels;
+  panels.insert(panels.end(), wrong_panels.begin(), wrong_panels.end());
+  if (panels.empty()) throw std::invalid_argument("multimnist_figure: no example found to show");
+  return viz::tile(panels, columns, 4, 0.25f);
+}
+
+}  // namespace capsnet::train
