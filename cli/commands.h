@@ -20,6 +20,7 @@ Subcommand add_reconstruct(CLI::App& root);
 Subcommand add_perturb(CLI::App& root);
 Subcommand add_bench(CLI::App& root);
 Subcommand add_multimnist(CLI::App& root);
+Subcommand add_affine(CLI::App& root);
 
 /// Flags shared by the subcommands that compute: --threads.
 void add_threads_flag(CLI::App& app, int& threads);

@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
   const std::vector<capsnet::cli::Subcommand> commands = {
       capsnet::cli::add_train(app), capsnet::cli::add_eval(app), capsnet::cli::add_predict(app),
       capsnet::cli::add_reconstruct(app), capsnet::cli::add_perturb(app), capsnet::cli::add_bench(app),
-      capsnet::cli::add_multimnist(app)};
+      capsnet::cli::add_multimnist(app), capsnet::cli::add_affine(app)};
 
   std::string help_topic;
   auto* help = app.add_subcommand("help", "Show help for capsnet or one of its commands");

@@ -1,0 +1,129 @@
+#include "capsnet/models/baseline_cnn.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <stdexcept>
+
+namespace capsnet::models {
+
+int64_t BaselineCnnConfig::feature_size() const { return pooling ? image_size / 2 / 2 : image_size; }
+
+int64_t BaselineCnnConfig::flattened_features() const {
+  return conv3_channels * feature_size() * feature_size();
+}
+
+int64_t BaselineCnnConfig::num_parameters() const {
+  const int64_t k2 = kernel_size * kernel_size;
+  const int64_t convs = image_channels * conv1_channels * k2 + conv1_channels +  // conv1
+                        conv1_channels * conv2_channels * k2 + conv2_channels +  // conv2
+                        conv2_channels * conv3_channels * k2 + conv3_channels;   // conv3
+  const int64_t fcs = flattened_features() * fc1_units + fc1_units +  // fc1
+                      fc1_units * fc2_units + fc2_units +             // fc2
+                      fc2_units * num_classes + num_classes;          // output
+  return convs + fcs;
+}
+
+void BaselineCnnConfig::validate() const {
+  auto positive = [](const char* name, int64_t value) {
+    if (value <= 0)
+      throw std::invalid_argument(fmt::format("baseline CNN config: {} must be positive, got {}", name, value));
+  };
+  positive("image_channels", image_channels);
+  positive("image_size", image_size);
+  positive("conv1_channels", conv1_channels);
+  positive("conv2_channels", conv2_channels);
+  positive("conv3_channels", conv3_channels);
+  positive("kernel_size", kernel_size);
+  positive("fc1_units", fc1_units);
+  positive("fc2_units", fc2_units);
+  positive("num_classes", num_classes);
+  if (kernel_size % 2 == 0)
+    throw std::invalid_argument(
+        fmt::format("baseline CNN config: kernel_size must be odd for 'same' padding, got {}", kernel_size));
+  if (num_classes < 2)
+    throw std::invalid_argument(fmt::format("baseline CNN config: num_classes must be at least 2, got {}", num_classes));
+  if (feature_size() < 1)
+    throw std::invalid_argument(fmt::format(
+        "baseline CNN config: image_size {} is too small for two 2x2 poolings (needs >= 4)", image_size));
+  if (!(dropout >= 0 && dropout < 1))
+    throw std::invalid_argument(fmt::format("baseline CNN config: dropout must be in [0, 1), got {}", dropout));
+}
+
+nlohmann::json BaselineCnnConfig::to_json() const {
+  return {{"image_channels", image_channels}, {"image_size", image_size},   {"conv1_channels", conv1_channels},
+          {"conv2_channels", conv2_channels}, {"conv3_channels", conv3_channels}, {"kernel_size", kernel_size},
+          {"pooling", pooling},               {"fc1_units", fc1_units},     {"fc2_units", fc2_units},
+          {"num_classes", num_classes},       {"dropout", dropout}};
+}
+
+BaselineCnnConfig BaselineCnnConfig::from_json(const nlohmann::json& j) {
+  if (!j.is_object()) throw std::invalid_argument("baseline CNN config: expected a JSON object");
+  BaselineCnnConfig c;
+  const auto known = c.to_json();
+  for (const auto& [key, value] : j.items()) {
+    if (!known.contains(key)) throw std::invalid_argument("baseline CNN config: unknown key '" + key + "'");
+    // An integer may stand for a real, not the reverse (get<int64_t> would truncate 28.5 to 28).
+    if (value.type() != known[key].type() && !(value.is_number_integer() && known[key].is_number()))
+      throw std::invalid_argument("baseline CNN config: wrong type for '" + key + "'");
+  }
+  auto get = [&](const char* key, auto& field) {
+    if (j.contains(key)) field = j.at(key).get<std::decay_t<decltype(field)>>();
+  };
+  get("image_channels", c.image_channels);
+  get("image_size", c.image_size);
+  get("conv1_channels", c.conv1_channels);
+  get("conv2_channels", c.conv2_channels);
+  get("conv3_channels", c.conv3_channels);
+  get("kernel_size", c.kernel_size);
+  get("pooling", c.pooling);
+  get("fc1_units", c.fc1_units);
+  get("fc2_units", c.fc2_units);
+  get("num_classes", c.num_classes);
+  get("dropout", c.dropout);
+  c.validate();
+  return c;
+}
+
+BaselineCnnImpl::BaselineCnnImpl(const BaselineCnnConfig& config_) : config(config_) { reset(); }
+
+void BaselineCnnImpl::reset() {
+  config.validate();
+  const int64_t pad = config.kernel_size / 2;
+  auto conv = [&](int64_t in, int64_t out) {
+    return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, config.kernel_size).stride(1).padding(pad));
+  };
+  conv1 = register_module("conv1", conv(config.image_channels, config.conv1_channels));
+  conv2 = register_module("conv2", conv(config.conv1_channels, config.conv2_channels));
+  conv3 = register_module("conv3", conv(config.conv2_channels, config.conv3_channels));
+  fc1 = register_module("fc1", torch::nn::Linear(config.flattened_features(), config.fc1_units));
+  fc2 = register_module("fc2", torch::nn::Linear(config.fc1_units, config.fc2_units));
+  out = register_module("out", torch::nn::Linear(config.fc2_units, config.num_classes));
+  drop = register_module("drop", torch::nn::Dropout(torch::nn::DropoutOptions(config.dropout)));
+}
+
+torch::Tensor BaselineCnnImpl::forward(const torch::Tensor& images) {
+  TORCH_CHECK(images.dim() == 4 && images.size(1) == config.image_channels &&
+                  images.size(2) == config.image_size && images.size(3) == config.image_size,
+              "BaselineCnn: images must be [B, ", config.image_channels, ", ", config.image_size, ", ",
+              config.image_size, "], got ", images.sizes());
+  auto x = torch::relu(conv1(images));        // [B, 256, S, S]
+  if (config.pooling) x = torch::max_pool2d(x, 2);  // [B, 256, S/2, S/2]
+  x = torch::relu(conv2(x));
+  if (config.pooling) x = torch::max_pool2d(x, 2);  // [B, 256, S/4, S/4]
+  x = torch::relu(conv3(x)).flatten(1);       // [B, 128 * F * F]
+  x = drop(torch::relu(fc1(x)));              // [B, 328]
+  x = drop(torch::relu(fc2(x)));              // [B, 192]
+  return out(x);                              // logits: [B, K]
+}
+
+torch::Tensor BaselineCnnImpl::loss(const torch::Tensor& logits, const torch::Tensor& labels) const {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) == config.num_classes, "BaselineCnn::loss: logits must be [B, ",
+              config.num_classes, "], got ", logits.sizes());
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == logits.size(0) && labels.scalar_type() == torch::kLong,
+              "BaselineCnn::loss: labels must be int64 [", logits.size(0), "], got ", labels.scalar_type(), " ",
+              labels.sizes());
+  return torch::nn::functional::cross_entropy(logits, labels);
+}
+
+}  // namespace capsnet::models

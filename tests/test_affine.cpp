@@ -1,0 +1,412 @@
+// Affine-robustness experiment pieces: the paper's baseline CNN, translated 40x40 placement and the
+// affNIST-style warp (identity, rotation, mass, determinism, range, containment, errors).
+#include <gtest/gtest.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "capsnet/data/affine.h"
+#include "capsnet/data/idx.h"
+#include "capsnet/data/transforms.h"
+#include "capsnet/models/baseline_cnn.h"
+#include "capsnet/models/capsnet.h"
+#include "capsnet/viz/png.h"
+#include "test_helpers.h"
+
+namespace capsnet {
+namespace {
+
+models::BaselineCnnConfig small_cnn(int64_t side = 12, bool pooling = true) {
+  models::BaselineCnnConfig c;
+  c.image_size = side;
+  c.conv1_channels = 6;
+  c.conv2_channels = 5;
+  c.conv3_channels = 4;
+  c.fc1_units = 16;
+  c.fc2_units = 12;
+  c.pooling = pooling;
+  return c;
+}
+
+/// Digit-like synthetic images: black background, strokes and a soft blob inside the central 20x20
+/// box of a 28x28 image (as in MNIST), different per example. [N, 28, 28] uint8.
+data::ImageSet digit_like_set(int64_t n, uint64_t seed) {
+  // Built with whole-batch ops: a per-image loop of small ops is slow when the cores are contended.
+  torch::manual_seed(seed);
+  data::ImageSet set;
+  set.labels = torch::arange(n, torch::kLong) % 10;
+  const auto i = torch::arange(n, torch::kFloat).view({n, 1, 1});
+  const auto ys = torch::arange(28, torch::kFloat).view({1, 28, 1}), xs = torch::arange(28, torch::kFloat).view({1, 1, 28});
+  const auto r = torch::rand({n, 3}).view({n, 3, 1, 1});
+  const auto cx = 10 + 8 * r.select(1, 0), cy = 10 + 8 * r.select(1, 1), width = 6 + 10 * r.select(1, 2);  // [n, 1, 1]
+  auto img = torch::exp(-((xs - cx).pow(2) + (ys - cy).pow(2)) / width) * 255;  // a soft blob: [n, 28, 28]
+  const auto inside_x = (xs >= 4) & (xs < 24), inside_y = (ys >= 4) & (ys < 24);
+  const auto row = 4 + torch::fmod(i, 5), col = 6 + torch::fmod(3 * i, 14);
+  img = torch::where((ys >= row) & (ys < row + 2) & inside_x, torch::full({}, 255.0f), img);  // horizontal stroke
+  img = torch::where((xs >= col) & (xs < col + 2) & inside_y, torch::full({}, 200.0f), img);  // vertical stroke
+  img = img * (inside_x & inside_y).to(torch::kFloat);  // nothing outside the central 20x20 box
+  set.images = img.round().clamp(0, 255).to(torch::kUInt8);
+  return set;
+}
+
+torch::Tensor map_tensor(const data::AffineParams& p, int64_t src, int64_t canvas) {
+  auto A = data::affine_matrix(p, src, src, canvas, canvas);
+  return torch::tensor(std::vector<double>(A.begin(), A.end()), torch::kDouble).view({1, 2, 3});
+}
+
+// ---- baseline CNN ----------------------------------------------------------------------------
+
+TEST(BaselineCnnTest, OutputShapeFor28And40PixelInputs) {
+  for (int64_t side : {28, 40}) {
+    auto c = small_cnn(side);
+    models::BaselineCnn cnn(c);
+    auto logits = cnn(torch::rand({3, 1, side, side}));
+    EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{3, 10})) << side;
+    EXPECT_EQ(c.feature_size(), side / 4);
+  }
+  models::BaselineCnn unpooled(small_cnn(12, false));
+  EXPECT_EQ(unpooled(torch::rand({2, 1, 12, 12})).sizes(), (std::vector<int64_t>{2, 10}));
+}
+
+TEST(BaselineCnnTest, ParameterCountFollowsTheFormula) {
+  // Hand-written formula for the small net: three 5x5 convs with biases, three linear layers.
+  for (bool pooling : {true, false}) {
+    auto c = small_cnn(12, pooling);
+    const int64_t F = pooling ? 3 : 12;
+    const int64_t expected = (1 * 6 * 25 + 6) + (6 * 5 * 25 + 5) + (5 * 4 * 25 + 4) + (4 * F * F * 16 + 16) +
+                             (16 * 12 + 12) + (12 * 10 + 10);
+    EXPECT_EQ(c.num_parameters(), expected);
+    EXPECT_EQ(models::count_parameters(*models::BaselineCnn(c)), expected);
+  }
+  // The paper's layer sizes: our pooled default, and the unpooled "same"-padded net whose count is
+  // the paper's 35.4M at 28x28.
+  models::BaselineCnnConfig paper;
+  EXPECT_EQ(paper.num_parameters(), 4587282);
+  EXPECT_EQ(models::count_parameters(*models::BaselineCnn(paper)), 4587282);
+  paper.image_size = 40;
+  EXPECT_EQ(paper.num_parameters(), 6728466);
+  paper.image_size = 28;
+  paper.pooling = false;
+  EXPECT_EQ(paper.num_parameters(), 35445522);
+}
+
+TEST(BaselineCnnTest, GradientReachesEveryParameter) {
+  torch::manual_seed(3);
+  auto c = small_cnn(12);
+  c.dropout = 0.0;  // every unit contributes, so every weight must get a gradient
+  models::BaselineCnn cnn(c);
+  auto images = torch::rand({8, 1, 12, 12});
+  auto labels = torch::arange(8, torch::kLong) % 10;
+  auto loss = cnn->loss(cnn(images), labels);
+  ASSERT_TRUE(std::isfinite(loss.item<double>()));
+  loss.backward();
+  for (const auto& item : cnn->named_parameters()) {
+    const auto& g = item.value().grad();
+    ASSERT_TRUE(g.defined()) << item.key();
+    EXPECT_TRUE(torch::isfinite(g).all().item<bool>()) << item.key();
+    EXPECT_GT(g.abs().sum().item<double>(), 0.0) << item.key();
+  }
+  // Cross-entropy of uniform logits is log K.
+  auto uniform = torch::zeros({4, 10});
+  EXPECT_NEAR(cnn->loss(uniform, torch::zeros({4}, torch::kLong)).item<double>(), std::log(10.0), 1e-6);
+}
+
+TEST(BaselineCnnTest, DropoutOnlyInTrainingMode) {
+  torch::manual_seed(4);
+  models::BaselineCnn cnn(small_cnn(12));  // dropout 0.5
+  auto images = torch::rand({4, 1, 12, 12});
+  cnn->eval();
+  auto a = cnn(images), b = cnn(images);
+  EXPECT_TRUE(torch::equal(a, b));
+  cnn->train();
+  auto t1 = cnn(images), t2 = cnn(images);
+  EXPECT_FALSE(torch::equal(t1, t2));  // different dropout masks
+  cnn->eval();
+  EXPECT_TRUE(torch::equal(cnn(images), a));
+}
+
+TEST(BaselineCnnTest, ConfigJsonAndBadValues) {
+  auto c = small_cnn(40);
+  c.dropout = 0.25;
+  auto back = models::BaselineCnnConfig::from_json(c.to_json());
+  EXPECT_EQ(back.to_json(), c.to_json());
+  EXPECT_THROW(models::BaselineCnnConfig::from_json({{"image_sise", 28}}), std::invalid_argument);
+  EXPECT_THROW(models::BaselineCnnConfig::from_json({{"image_size", 28.5}}), std::invalid_argument);
+  auto expect_bad = [](models::BaselineCnnConfig bad, const std::string& needle) {
+    try {
+      bad.validate();
+      ADD_FAILURE() << "expected invalid_argument mentioning " << needle;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  auto bad = small_cnn();
+  bad.image_size = 3;
+  expect_bad(bad, "image_size 3");
+  bad = small_cnn();
+  bad.dropout = 1.0;
+  expect_bad(bad, "dropout");
+  bad = small_cnn();
+  bad.kernel_size = 4;
+  expect_bad(bad, "kernel_size");
+  bad = small_cnn();
+  bad.conv2_channels = 0;
+  expect_bad(bad, "conv2_channels");
+  models::BaselineCnn cnn(small_cnn(12));
+  EXPECT_THROW(cnn(torch::rand({2, 1, 28, 28})), c10::Error);
+  EXPECT_THROW(cnn->loss(torch::zeros({2, 10}), torch::zeros({3}, torch::kLong)), c10::Error);
+}
+
+TEST(AffineCapsNetTest, FortyPixelCapsNetHas4608PrimaryCapsulesAnd1600PixelDecoder) {
+  models::CapsNetConfig c;
+  c.image_size = 40;
+  EXPECT_NO_THROW(c.validate());
+  EXPECT_EQ(c.primary_grid(), 12);
+  EXPECT_EQ(c.num_primary_caps(), 4608);
+  torch::manual_seed(5);
+  models::CapsNet net(c);
+  torch::NoGradGuard no_grad;
+  auto out = net(torch::rand({1, 1, 40, 40}));
+  EXPECT_EQ(out.digit_caps.sizes(), (std::vector<int64_t>{1, 10, 16}));
+  EXPECT_EQ(out.reconstruction.sizes(), (std::vector<int64_t>{1, 1600}));
+}
+
+// ---- placement in the 40x40 canvas -----------------------------------------------------------
+
+TEST(AffineDataTest, PlacementKeepsTheWholeDigitInTheCanvas) {
+  // Batches stay under LibTorch's parallel grain size (32768 elements): on contended cores every
+  // parallel region can cost a scheduler time slice.
+  auto set = digit_like_set(16, 1);
+  auto images = data::to_float(set.images);  // [16, 1, 28, 28]
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  auto placed = data::place_in_canvas(images, 40, 6, gen);  // [16, 1, 40, 40]
+  ASSERT_EQ(placed.sizes(), (std::vector<int64_t>{16, 1, 40, 40}));
+  // An integer shift inside the 6 px border moves pixels without losing or changing any.
+  EXPECT_TRUE(torch::allclose(placed.sum({1, 2, 3}), images.sum({1, 2, 3}), 1e-5, 1e-4));
+  EXPECT_TRUE(torch::equal(std::get<0>(placed.flatten(1).sort(1)), std::get<0>(
+      torch::cat({images.flatten(1), torch::zeros({16, 1600 - 784})}, 1).sort(1))));
+  // Offsets vary (not all centred), and max_shift 0 is exactly the centred copy.
+  auto gen0 = at::make_generator<at::CPUGeneratorImpl>(11);
+  auto centred = data::place_in_canvas(images, 40, 0, gen0);
+  EXPECT_TRUE(torch::equal(centred.narrow(2, 6, 28).narrow(3, 6, 28), images));
+  EXPECT_TRUE(torch::allclose(centred.sum({1, 2, 3}), images.sum({1, 2, 3})));
+  EXPECT_FALSE(torch::equal(placed, centred));
+  // Same generator state, same placement.
+  auto gen_again = at::make_generator<at::CPUGeneratorImpl>(11);
+  EXPECT_TRUE(torch::equal(data::place_in_canvas(images, 40, 6, gen_again), placed));
+  // translated_set returns the same pixels as uint8.
+  auto translated = data::translated_set(set, 11, 40, 6);
+  EXPECT_TRUE(torch::equal(data::to_float(translated.images), placed));
+  EXPECT_TRUE(torch::equal(translated.labels, set.labels));
+}
+
+// ---- affNIST-style warp ------------------------------------------------------------------------
+
+TEST(AffineDataTest, IdentityMapReproducesTheCentredDigit) {
+  auto images = data::to_float(digit_like_set(3, 2).images);  // [3, 1, 28, 28]
+  auto maps = map_tensor({}, 28, 40).expand({3, 2, 3});
+  auto warped = data::warp_affine(images, maps, 40, 40);  // [3, 1, 40, 40]
+  auto expected = torch::constant_pad_nd(images, {6, 6, 6, 6}, 0);
+  EXPECT_LT((warped - expected).abs().max().item<float>(), 1e-6);
+  // Same size in and out: the identity map is the identity.
+  EXPECT_LT((data::warp_affine(images, map_tensor({}, 28, 28).expand({3, 2, 3}), 28, 28) - images)
+                .abs()
+                .max()
+                .item<float>(),
+            1e-6);
+}
+
+TEST(AffineDataTest, RotationBy90DegreesIsATransposeAndFlip) {
+  // Asymmetric: an L shape plus a ramp, so every rotation and mirror is distinguishable.
+  auto img = torch::zeros({20, 20});
+  img.narrow(0, 3, 12).narrow(1, 4, 2).fill_(1);
+  img.narrow(0, 13, 2).narrow(1, 4, 9).fill_(0.7);
+  img += torch::arange(20, torch::kFloat).view({1, 20}) * 0.01;
+  data::AffineParams p;
+  p.rotation_deg = 90;
+  auto out = data::warp_affine(img.view({1, 1, 20, 20}), map_tensor(p, 20, 20), 20, 20)[0][0];
+  // Counter-clockwise on screen = transpose, then flip the rows.
+  auto ccw = img.t().flip({0});
+  EXPECT_LT((out - ccw).abs().max().item<float>(), 1e-4);
+  EXPECT_TRUE(torch::allclose(ccw, torch::rot90(img, 1, {0, 1})));
+  EXPECT_GT((out - img).abs().max().item<float>(), 0.5);  // it did rotate
+  p.rotation_deg = -90;
+  auto cw = data::warp_affine(img.view({1, 1, 20, 20}), map_tensor(p, 20, 20), 20, 20)[0][0];
+  EXPECT_LT((cw - img.t().flip({1})).abs().max().item<float>(), 1e-4);
+}
+
+TEST(AffineDataTest, MassIsPreservedAtScaleOneAndScalesWithTheDeterminant) {
+  auto images = data::to_float(digit_like_set(8, 3).images);  // [8, 1, 28, 28]
+  const auto mass = images.sum({1, 2, 3});
+  for (double rot : {-20.0, 7.0, 20.0}) {
+    for (double shear : {-0.1, 0.0, 0.1}) {
+      data::AffineParams p;
+      p.rotation_deg = rot;
+      p.shear = shear;  // det = 1: rotation and shear keep areas
+      auto warped = data::warp_affine(images, map_tensor(p, 28, 40).expand({8, 2, 3}), 40, 40);
+      auto ratio = warped.sum({1, 2, 3}) / mass;
+      EXPECT_LT((ratio - 1).abs().max().item<double>(), 0.03) << "rotation " << rot << " shear " << shear;
+    }
+  }
+  data::AffineParams p;
+  p.scale_x = 1.2;
+  p.scale_y = 0.8;
+  auto ratio = data::warp_affine(images, map_tensor(p, 28, 40).expand({8, 2, 3}), 40, 40).sum({1, 2, 3}) / mass;
+  // Shrinking 2-px strokes by 0.8 without a prefilter aliases: single digits are off by a few percent,
+  // the average is close to the area factor 1.2 * 0.8.
+  EXPECT_LT((ratio - 0.96).abs().max().item<double>(), 0.05);
+  EXPECT_LT(std::abs(ratio.mean().item<double>() - 0.96), 0.015);
+}
+
+TEST(AffineDataTest, OutputsStayInTheUnitRange) {
+  torch::manual_seed(6);
+  auto images = torch::rand({16, 1, 28, 28});
+  std::vector<torch::Tensor> maps;
+  for (int64_t i = 0; i < 16; ++i) {
+    auto p = data::draw_affine_params(9, i, {0, 0, 27, 27}, 28, 28, 40);
+    maps.push_back(map_tensor(p, 28, 40));
+  }
+  auto warped = data::warp_affine(images, torch::cat(maps), 40, 40);
+  EXPECT_GE(warped.min().item<float>(), 0.0f);
+  EXPECT_LE(warped.max().item<float>(), 1.0f + 1e-6f);
+  EXPECT_GT(warped.max().item<float>(), 0.5f);
+  auto set = data::affine_test_set(digit_like_set(16, 4), 9);
+  auto f = data::to_float(set.images);
+  EXPECT_GE(f.min().item<float>(), 0.0f);
+  EXPECT_LE(f.max().item<float>(), 1.0f);
+}
+
+TEST(AffineDataTest, TestSetIsDeterministicPerSeedAndIndex) {
+  auto source = digit_like_set(16, 5);
+  auto a = data::affine_test_set(source, 123), b = data::affine_test_set(source, 123);
+  ASSERT_EQ(a.images.sizes(), (std::vector<int64_t>{16, 40, 40}));
+  EXPECT_EQ(a.images.scalar_type(), torch::kUInt8);
+  EXPECT_TRUE(torch::equal(a.images, b.images));
+  EXPECT_TRUE(torch::equal(a.labels, source.labels));
+  // Example i depends on (seed, i) only: a prefix of the source gives a prefix of the set.
+  auto prefix = data::affine_test_set(data::take(source, 7), 123);
+  EXPECT_TRUE(torch::equal(prefix.images, a.images.narrow(0, 0, 7)));
+  auto other = data::affine_test_set(source, 124);
+  EXPECT_FALSE(torch::equal(other.images, a.images));
+  // The drawn parameters are within the documented ranges and differ between examples.
+  const data::AffineRanges ranges;
+  auto p0 = data::draw_affine_params(123, 0, {4, 4, 23, 23}, 28, 28, 40);
+  auto p1 = data::draw_affine_params(123, 1, {4, 4, 23, 23}, 28, 28, 40);
+  EXPECT_NE(p0.rotation_deg, p1.rotation_deg);
+  for (int64_t i = 0; i < 200; ++i) {
+    auto p = data::draw_affine_params(123, i, {4, 4, 23, 23}, 28, 28, 40);
+    EXPECT_LE(std::abs(p.rotation_deg), ranges.max_rotation_deg);
+    EXPECT_LE(std::abs(p.shear), ranges.max_shear);
+    EXPECT_GE(std::min(p.scale_x, p.scale_y), ranges.min_scale);
+    EXPECT_LE(std::max(p.scale_x, p.scale_y), ranges.max_scale);
+  }
+}
+
+TEST(AffineDataTest, WarpedDigitsStayInsideTheCanvas) {
+  auto source = digit_like_set(20, 6);
+  const uint64_t seed = 77;
+  auto set = data::affine_test_set(source, seed);
+  double max_abs_t = 0;
+  const auto src_mass = source.images.to(torch::kDouble).sum({1, 2}), out_mass = set.images.to(torch::kDouble).sum({1, 2});
+  for (int64_t i = 0; i < source.size(); ++i) {
+    const auto box = data::bounding_box(source.images[i]);
+    ASSERT_FALSE(box.empty());
+    EXPECT_TRUE(box.x0 >= 4 && box.y0 >= 4 && box.x1 <= 23 && box.y1 <= 23);  // the central 20x20 box
+    const auto p = data::draw_affine_params(seed, i, box, 28, 28, 40);
+    max_abs_t = std::max({max_abs_t, std::abs(p.tx), std::abs(p.ty)});
+    // Nothing cropped: the warped mass is the source mass times the area factor sx * sy (the
+    // uint8 rounding and bilinear sampling cost a few percent at most).
+    const double ratio = out_mass[i].item<double>() / (src_mass[i].item<double>() * p.scale_x * p.scale_y);
+    EXPECT_NEAR(ratio, 1.0, 0.05) << "example " << i;
+  }
+  EXPECT_GT(max_abs_t, 3.0);  // the translations do move digits around the canvas
+  EXPECT_TRUE(data::bounding_box(torch::zeros({5, 5})).empty());
+}
+
+TEST(AffineDataTest, BadArgumentsThrowClearly) {
+  auto images = torch::rand({2, 1, 28, 28});
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  auto message_of = [](auto&& fn) -> std::string {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "(no exception)";
+  };
+  EXPECT_NE(message_of([&] { data::place_in_canvas(images, 40, 7, gen); }).find("max_shift must be in [0, 6]"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { data::place_in_canvas(images, 20, 0, gen); }).find("canvas 20 is smaller"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { data::place_in_canvas(images[0], 40, 0, gen); }).find("[B, C, H, W]"),
+            std::string::npos);
+  data::AffineParams flat;
+  flat.scale_y = 0;
+  EXPECT_NE(message_of([&] { data::warp_affine(images.narrow(0, 0, 1), map_tensor(flat, 28, 40), 40, 40); })
+                .find("singular"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { data::warp_affine(images, torch::zeros({2, 3, 3}), 40, 40); }).find("[B, 2, 3]"),
+            std::string::npos);
+  auto set = digit_like_set(2, 7);
+  EXPECT_NE(message_of([&] { data::affine_test_set(set, 1, 20); }).find("canvas 20"), std::string::npos);
+  data::AffineRanges bad;
+  bad.min_scale = 1.5;
+  EXPECT_NE(message_of([&] { data::affine_test_set(set, 1, 40, bad); }).find("min_scale"), std::string::npos);
+  data::ImageSet floats{torch::rand({2, 28, 28}), torch::zeros({2}, torch::kLong)};
+  EXPECT_NE(message_of([&] { data::affine_test_set(floats, 1); }).find("uint8"), std::string::npos);
+  EXPECT_THROW(data::affine_matrix({}, 0, 28, 40, 40), std::invalid_argument);
+}
+
+// ---- the `capsnet affine` command, end to end on a fake MNIST directory ------------------------
+
+TEST(AffineCliTest, TrainsBothModelsAndWritesReportFigureAndMetrics) {
+  testing::TempDir dir;
+  const std::string data_dir = dir / "mnist", out = dir / "run";
+  std::filesystem::create_directories(data_dir);
+  auto train_set = digit_like_set(16, 21), test_set = digit_like_set(6, 22);
+  data::write_idx(data_dir + "/train-images-idx3-ubyte", train_set.images);
+  data::write_idx(data_dir + "/train-labels-idx1-ubyte", train_set.labels.to(torch::kUInt8));
+  data::write_idx(data_dir + "/t10k-images-idx3-ubyte", test_set.images);
+  data::write_idx(data_dir + "/t10k-labels-idx1-ubyte", test_set.labels.to(torch::kUInt8));
+  const std::string cli = CAPSNET_CLI;
+  auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
+                                " --model both --steps 1 --batch-size 2 --no-progress --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("NOT the real affNIST"), std::string::npos) << r.output;
+  std::ifstream in(out + "/affine.json");
+  ASSERT_TRUE(in.good());
+  nlohmann::json report;
+  in >> report;
+  ASSERT_EQ(report["results"].size(), 2u);
+  EXPECT_EQ(report["results"][0]["model"], "capsnet");
+  EXPECT_EQ(report["results"][0]["config"]["image_size"], 40);
+  EXPECT_EQ(report["results"][1]["model"], "cnn");
+  EXPECT_EQ(report["results"][1]["parameters"], 6728466);
+  for (const auto& m : report["results"]) {
+    EXPECT_EQ(m["training_images_seen"], 2);
+    for (const char* key : {"translated_mnist_accuracy", "affnist_style_accuracy"}) {
+      const double acc = m[key];
+      EXPECT_TRUE(acc >= 0 && acc <= 1) << key;
+    }
+  }
+  // The 6 test digits: a row of centred digits above a row of their warped versions (12 columns).
+  auto figure = viz::read_png_gray(out + "/affnist_style_examples.png");
+  EXPECT_EQ(figure.size(0), 2 * 42 + 2);
+  EXPECT_EQ(figure.size(1), 12 * 42 + 2);
+  std::ifstream metrics(out + "/metrics.jsonl");
+  std::string line;
+  int evals = 0;
+  while (std::getline(metrics, line)) evals += nlohmann::json::parse(line)["event"] == "eval";
+  EXPECT_EQ(evals, 4);  // 2 models x 2 test sets
+
+  auto bad = testing::run_command(cli + " affine --data " + data_dir + " --out " + out + " --model resnet");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.output.find("resnet"), std::string::npos) << bad.output;
+}
+
+}  // namespace
+}  // namespace capsnet
