@@ -19,6 +19,8 @@ Subcommand add_predict(CLI::App& root);
 Subcommand add_reconstruct(CLI::App& root);
 Subcommand add_perturb(CLI::App& root);
 Subcommand add_bench(CLI::App& root);
+Subcommand add_ablation(CLI::App& root);
+Subcommand add_report(CLI::App& root);
 Subcommand add_multimnist(CLI::App& root);
 Subcommand add_affine(CLI::App& root);
 

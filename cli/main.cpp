@@ -26,9 +26,10 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "capsnet 0.1.0");
 
   const std::vector<capsnet::cli::Subcommand> commands = {
-      capsnet::cli::add_train(app), capsnet::cli::add_eval(app), capsnet::cli::add_predict(app),
-      capsnet::cli::add_reconstruct(app), capsnet::cli::add_perturb(app), capsnet::cli::add_bench(app),
-      capsnet::cli::add_multimnist(app), capsnet::cli::add_affine(app)};
+      capsnet::cli::add_train(app),      capsnet::cli::add_eval(app),     capsnet::cli::add_predict(app),
+      capsnet::cli::add_reconstruct(app), capsnet::cli::add_perturb(app),  capsnet::cli::add_multimnist(app),
+      capsnet::cli::add_affine(app),     capsnet::cli::add_ablation(app), capsnet::cli::add_bench(app),
+      capsnet::cli::add_report(app)};
 
   std::string help_topic;
   auto* help = app.add_subcommand("help", "Show help for capsnet or one of its commands");

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <string>
 
+#include "capsnet/data/idx.h"
 #include "capsnet/data/mnist.h"
 #include "capsnet/models/capsnet.h"
 
@@ -56,6 +57,16 @@ inline data::ImageSet synthetic_set(int64_t n, int64_t side, uint64_t seed) {
     set.images[i].narrow(0, (k * side) / 10, std::max<int64_t>(1, side / 10)).fill_(255);
   }
   return set;
+}
+
+/// Writes the four MNIST IDX files of synthetic 28x28 digits (see synthetic_set) into `dir`.
+inline void write_fake_mnist(const std::string& dir, int64_t n_train, int64_t n_test) {
+  std::filesystem::create_directories(dir);
+  auto train_set = synthetic_set(n_train, 28, 11), test_set = synthetic_set(n_test, 28, 12);
+  data::write_idx(dir + "/train-images-idx3-ubyte", train_set.images);
+  data::write_idx(dir + "/train-labels-idx1-ubyte", train_set.labels.to(torch::kUInt8));
+  data::write_idx(dir + "/t10k-images-idx3-ubyte", test_set.images);
+  data::write_idx(dir + "/t10k-labels-idx1-ubyte", test_set.labels.to(torch::kUInt8));
 }
 
 /// Runs a shell command, returns its exit status and combined stdout+stderr.
