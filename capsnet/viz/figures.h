@@ -16,7 +16,7 @@ torch::Tensor tile(const std::vector<torch::Tensor>& images, int64_t columns, in
                    float background = 0.5f);
 
 /// Draws `text` onto canvas [H, W] (float) at top-left (x, y), each font pixel scale x scale.
-/// Supports 0-9 ( ) , : * and the letters L P R; other characters are left blank. Clipped at the edges.
+/// Supports 0-9 ( ) , : * - + . and the letters L P R; other characters are left blank. Clipped at the edges.
 void draw_text(torch::Tensor& canvas, int64_t x, int64_t y, const std::string& text, int64_t scale = 1,
                float value = 1.0f);
 
