@@ -1,0 +1,75 @@
+// Google Benchmark micro-benchmarks of the layers a CapsNet step spends its time in, at the paper's
+// sizes: DigitCaps (fused routing op vs predictions() + dynamic_routing), the PrimaryCaps convolution,
+// forward and forward+backward, batch 100 and batch 1. The end-to-end comparison with the
+// plain-PyTorch peer is `capsnet bench`; this is for looking inside a step.
+//   build/bench/capsnet_bench_layers --benchmark_filter=DigitCaps --benchmark_repetitions=3
+#include <benchmark/benchmark.h>
+#include <torch/torch.h>
+
+#include "capsnet/nn/capsule_linear.h"
+#include "capsnet/nn/primary_caps.h"
+#include "capsnet/train/runtime.h"
+
+namespace {
+
+using capsnet::nn::CapsuleLinear;
+using capsnet::nn::CapsuleLinearOptions;
+
+// args: {batch, fused (0/1), backward (0/1)}
+void DigitCaps(benchmark::State& state) {
+  const int64_t B = state.range(0);
+  const bool fused = state.range(1), backward = state.range(2);
+  torch::manual_seed(0);
+  CapsuleLinear layer(CapsuleLinearOptions(1152, 8, 10, 16).fused(fused));
+  auto u = torch::randn({B, 1152, 8}).mul_(0.1).requires_grad_(backward);  // u: [B, I, Din]
+  for (auto _ : state) {
+    if (backward) {
+      auto v = layer(u);  // v: [B, J, D]
+      v.sum().backward();
+    } else {
+      torch::NoGradGuard no_grad;
+      benchmark::DoNotOptimize(layer(u));
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * B);
+}
+
+// args: {batch, backward (0/1)}; the input gradient is needed too (it trains Conv1).
+void PrimaryCapsConv(benchmark::State& state) {
+  const int64_t B = state.range(0);
+  const bool backward = state.range(1);
+  torch::manual_seed(0);
+  capsnet::nn::PrimaryCaps layer(capsnet::nn::PrimaryCapsOptions(256, 32, 8));
+  auto x = torch::rand({B, 256, 20, 20}).requires_grad_(backward);  // x: [B, 256, 20, 20]
+  for (auto _ : state) {
+    if (backward) {
+      layer(x).sum().backward();
+    } else {
+      torch::NoGradGuard no_grad;
+      benchmark::DoNotOptimize(layer(x));
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * B);
+}
+
+BENCHMARK(DigitCaps)
+    ->ArgNames({"batch", "fused", "backward"})
+    ->ArgsProduct({{1, 100}, {1, 0}, {0, 1}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(PrimaryCapsConv)
+    ->ArgNames({"batch", "backward"})
+    ->ArgsProduct({{1, 100}, {0, 1}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  capsnet::configure_runtime(argc, argv);  // all cores, as the CLI runs
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
