@@ -109,10 +109,12 @@ int run(const Flags& f) {
   std::ofstream(f.out_dir + "/ablation.json") << results.dump(2) << '\n';
   std::string table = "| routing iterations r | reconstruction | epochs | test error (ours) | test error (paper) |\n"
                       "|---:|:---:|---:|---:|---:|\n";
-  for (const auto& j : results)
-    table += fmt::format("| {} | {} | {:.2f} | {:.2f}% | {}% |\n", j.at("routing_iterations").get<int64_t>(),
+  for (const auto& j : results) {
+    const auto paper = j.at("paper_test_error_percent").get<std::string>();
+    table += fmt::format("| {} | {} | {:.2f} | {:.2f}% | {} |\n", j.at("routing_iterations").get<int64_t>(),
                          j.at("reconstruction").get<bool>() ? "yes" : "no", j.at("epochs_seen").get<double>(),
-                         100 * j.at("test_error").get<double>(), j.at("paper_test_error_percent").get<std::string>());
+                         100 * j.at("test_error").get<double>(), paper == "–" ? paper : paper + "%");
+  }
   std::ofstream(f.out_dir + "/ablation.md") << table;
   std::cout << table << fmt::format("wrote {0}/ablation.json and {0}/ablation.md\n", f.out_dir);
   return 0;

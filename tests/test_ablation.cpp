@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "test_helpers.h"
@@ -43,6 +44,11 @@ TEST(AblationCliTest, TrainsEveryCombinationWritesTableAndReusesFinishedRuns) {
   int rows = 0;
   while (std::getline(md, line)) rows += line.rfind("| ", 0) == 0 && line.find("---") == std::string::npos;
   EXPECT_EQ(rows, 5);  // header + 4 runs
+  std::ifstream md2(out + "/ablation.md");
+  const std::string table((std::istreambuf_iterator<char>(md2)), std::istreambuf_iterator<char>());
+  EXPECT_NE(table.find("| 0.29% |"), std::string::npos) << table;
+  EXPECT_NE(table.find("| – |"), std::string::npos) << table;  // r = 2: not in the paper
+  EXPECT_EQ(table.find("–%"), std::string::npos) << table;
 
   // Same settings again: every run is reused, the results are identical.
   auto again = run_command(cmd);
