@@ -12,7 +12,6 @@
 #include <iostream>
 #include <map>
 #include <memory>
-#include <optional>
 #include <sstream>
 
 #include "capsnet/train/benchmark.h"
@@ -25,6 +24,8 @@
 
 namespace capsnet::cli {
 namespace {
+
+using train::median;
 
 struct Flags {
   std::vector<std::string> configs = {"fused", "reference", "peer"};
@@ -101,12 +102,6 @@ int run_one(const Flags& f) {
   j["steps"] = f.steps;
   std::cout << j.dump() << std::endl;
   return 0;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 const std::array<const char*, 5> kMetrics = {"train_img_s", "infer_img_s", "latency_b1_ms", "train_peak_rss_mb",

@@ -58,6 +58,12 @@ TEST(BenchmarkTest, PeakRssResetsAndTracksAnAllocation) {
   EXPECT_NEAR(train::peak_rss_mb(), train::rss_mb(), 1.0);
 }
 
+TEST(BenchmarkTest, MedianOfOddAndEvenCounts) {
+  EXPECT_DOUBLE_EQ(train::median({3, 1, 2}), 2.0);
+  EXPECT_DOUBLE_EQ(train::median({4, 1, 3, 2}), 2.5);
+  EXPECT_THROW(train::median({}), c10::Error);
+}
+
 TEST(BenchmarkTest, RejectsNonPositiveCounts) {
   auto o = tiny_bench();
   o.steps = 0;

@@ -20,12 +20,6 @@ double status_field_mb(const std::string& field) {
   return std::numeric_limits<double>::quiet_NaN();
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 template <class F>
 double seconds(F&& f) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -34,6 +28,13 @@ double seconds(F&& f) {
 }
 
 }  // namespace
+
+double median(std::vector<double> v) {
+  TORCH_CHECK(!v.empty(), "median of no values");
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
 
 double rss_mb() { return status_field_mb("VmRSS"); }
 double peak_rss_mb() { return status_field_mb("VmHWM"); }

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "capsnet/models/capsnet.h"
 
@@ -31,6 +32,9 @@ struct BenchResult {
 
 /// Trains (Adam, margin + reconstruction loss) and then infers on random images with random labels.
 BenchResult run_benchmark(const BenchOptions& options);
+
+/// Median of the values (mean of the middle two for an even count); throws on an empty list.
+double median(std::vector<double> values);
 
 /// Current / peak resident set of this process in MiB (from /proc/self/status; NaN if unavailable).
 double rss_mb();
