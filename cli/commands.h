@@ -23,6 +23,11 @@ Subcommand add_ablation(CLI::App& root);
 Subcommand add_report(CLI::App& root);
 Subcommand add_multimnist(CLI::App& root);
 Subcommand add_affine(CLI::App& root);
+Subcommand add_export(CLI::App& root);
+Subcommand add_serve(CLI::App& root);
+Subcommand add_segcaps(CLI::App& root);
+Subcommand add_stn(CLI::App& root);
+Subcommand add_em(CLI::App& root);
 
 /// Flags shared by the subcommands that compute: --threads.
 void add_threads_flag(CLI::App& app, int& threads);

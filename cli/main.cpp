@@ -29,7 +29,8 @@ int main(int argc, char** argv) {
       capsnet::cli::add_train(app),      capsnet::cli::add_eval(app),     capsnet::cli::add_predict(app),
       capsnet::cli::add_reconstruct(app), capsnet::cli::add_perturb(app),  capsnet::cli::add_multimnist(app),
       capsnet::cli::add_affine(app),     capsnet::cli::add_ablation(app), capsnet::cli::add_bench(app),
-      capsnet::cli::add_report(app)};
+      capsnet::cli::add_report(app),     capsnet::cli::add_export(app),   capsnet::cli::add_serve(app),
+      capsnet::cli::add_segcaps(app),    capsnet::cli::add_stn(app),      capsnet::cli::add_em(app)};
 
   std::string help_topic;
   auto* help = app.add_subcommand("help", "Show help for capsnet or one of its commands");

@@ -9,7 +9,11 @@ BUILD="${1:-$ROOT/build}"
 # Debian packages: compiler + CMake, LibTorch, an optimized BLAS, the libraries of the README's table.
 PACKAGES=(g++ cmake make libtorch-dev libopenblas0-pthread libcli11-dev nlohmann-json3-dev libfmt-dev
           libpng-dev zlib1g-dev libjemalloc-dev libgtest-dev libbenchmark-dev
-          python3-torch)  # Debian's own python3 + torch 1.13: the Python test of the op library
+          python3-torch   # Debian's own python3 + torch 1.13: the Python tests (op library, python/ package)
+          libgloo-dev     # headers of c10d's Gloo process group (data-parallel training)
+          libcpp-httplib-dev  # HTTP server of `capsnet serve`
+          chromium        # headless browser: the end-to-end test of `capsnet serve`
+          dataset-fashion-mnist)  # Fashion-MNIST, gzipped IDX in /usr/share/datasets/fashion-mnist
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
