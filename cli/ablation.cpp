@@ -20,7 +20,8 @@ namespace {
 namespace fs = std::filesystem;
 
 struct Flags {
-  std::string data_dir = "data/mnist", out_dir = "runs/ablation";
+  DataFlags data;
+  std::string out_dir = "runs/ablation";
   std::vector<int64_t> routing = {1, 2, 3, 5};
   std::string reconstruction = "both";  // on, off, both
   int64_t epochs = 1, steps = 0, batch_size = 100, train_limit = 0, test_limit = 0;
@@ -47,8 +48,8 @@ int run(const Flags& f) {
   std::vector<bool> recon_modes;
   if (f.reconstruction != "off") recon_modes.push_back(true);
   if (f.reconstruction != "on") recon_modes.push_back(false);
-  auto train_set = data::take(data::load_mnist(f.data_dir, data::Split::kTrain), f.train_limit);
-  auto test_set = data::take(data::load_mnist(f.data_dir, data::Split::kTest), f.test_limit);
+  auto train_set = data::take(data::load_mnist(f.data.resolved(), data::Split::kTrain), f.train_limit);
+  auto test_set = data::take(data::load_mnist(f.data.resolved(), data::Split::kTest), f.test_limit);
   fs::create_directories(f.out_dir);
 
   nlohmann::json results = nlohmann::json::array();
@@ -127,7 +128,7 @@ Subcommand add_ablation(CLI::App& root) {
   auto* app = root.add_subcommand("ablation",
                                   "Routing ablation (paper Table 1): r x reconstruction, same budget and seed each; "
                                   "writes ablation.json and ablation.md");
-  app->add_option("--data", f->data_dir, "Directory with the MNIST IDX files")->capture_default_str();
+  add_data_flags(*app, f->data);
   app->add_option("--out", f->out_dir, "Output directory (one sub-directory per run)")->capture_default_str();
   app->add_option("--routing", f->routing, "Routing iterations to compare, comma-separated")
       ->delimiter(',')

@@ -34,7 +34,8 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 struct Flags {
-  std::string data_dir = "data/mnist", out_dir = "runs/affine", model = "both";
+  DataFlags data;
+  std::string out_dir = "runs/affine", model = "both";
   int64_t steps = 200, batch_size = 32, train_limit = 0, test_limit = 2000, max_shift = 6, eval_batch_size = 100,
           log_every = 25;
   double lr = 1e-3;
@@ -202,8 +203,8 @@ int run(const Flags& f) {
   if (f.model == "capsnet" || f.model == "both") names.push_back("capsnet");
   if (f.model == "cnn" || f.model == "both") names.push_back("cnn");
 
-  auto train_set = data::take(data::load_mnist(f.data_dir, data::Split::kTrain), f.train_limit);
-  auto test_set = data::take(data::load_mnist(f.data_dir, data::Split::kTest), f.test_limit);
+  auto train_set = data::take(data::load_mnist(f.data.resolved(), data::Split::kTrain), f.train_limit);
+  auto test_set = data::take(data::load_mnist(f.data.resolved(), data::Split::kTest), f.test_limit);
   if (train_set.images.size(1) != 28 || train_set.images.size(2) != 28)
     throw std::invalid_argument(fmt::format("expected 28x28 MNIST images, got {}x{}", train_set.images.size(1),
                                             train_set.images.size(2)));
@@ -312,7 +313,7 @@ Subcommand add_affine(CLI::App& root) {
       "affine",
       "Affine robustness: train CapsNet / baseline CNN on 40x40 translated MNIST, test on translated MNIST and an "
       "affNIST-style set (generated here, not the real affNIST)");
-  app->add_option("--data", f->data_dir, "Directory with the four MNIST IDX files")->capture_default_str();
+  add_data_flags(*app, f->data);
   app->add_option("--out", f->out_dir, "Output directory (affine.json, metrics.jsonl, example figure)")
       ->capture_default_str();
   app->add_option("--model", f->model, "Which model(s) to train")

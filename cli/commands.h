@@ -32,4 +32,17 @@ Subcommand add_em(CLI::App& root);
 /// Flags shared by the subcommands that compute: --threads.
 void add_threads_flag(CLI::App& app, int& threads);
 
+/// Which image set a command reads: --dataset mnist|fashion-mnist picks the default directory,
+/// --data DIR overrides it. Both sets are the same four IDX files (plain or .gz).
+struct DataFlags {
+  std::string dataset = "mnist";
+  std::string dir;  // empty: the dataset's default directory
+  /// The directory to read: --data if given, else the dataset's default (data/mnist or
+  /// /usr/share/datasets/fashion-mnist).
+  std::string resolved() const;
+};
+
+/// Registers --dataset and --data on `app`, writing into `flags`.
+void add_data_flags(CLI::App& app, DataFlags& flags);
+
 }  // namespace capsnet::cli

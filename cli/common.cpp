@@ -1,9 +1,21 @@
+#include "capsnet/data/mnist.h"
 #include "cli/commands.h"
 
 namespace capsnet::cli {
 
 void add_threads_flag(CLI::App& app, int& threads) {
   app.add_option("--threads", threads, "Intra-op threads (0 = all cores)")->check(CLI::NonNegativeNumber);
+}
+
+std::string DataFlags::resolved() const { return dir.empty() ? data::default_data_dir(dataset) : dir; }
+
+void add_data_flags(CLI::App& app, DataFlags& flags) {
+  app.add_option("--dataset", flags.dataset,
+                 "Image set: mnist (data/mnist, scripts/fetch_mnist.sh) or fashion-mnist "
+                 "(Debian package dataset-fashion-mnist)")
+      ->check(CLI::IsMember(data::dataset_names()))
+      ->capture_default_str();
+  app.add_option("--data", flags.dir, "Directory with the four IDX files (default: the --dataset's directory)");
 }
 
 }  // namespace capsnet::cli

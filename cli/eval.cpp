@@ -13,7 +13,8 @@ namespace capsnet::cli {
 
 Subcommand add_eval(CLI::App& root) {
   struct Flags {
-    std::string checkpoint = "runs/mnist/checkpoint.pt", data_dir = "data/mnist", split = "test";
+    DataFlags data;
+    std::string checkpoint = "runs/mnist/checkpoint.pt", split = "test";
     int64_t limit = 0, batch_size = 250;
     bool json = false, no_progress = false;
     int threads = 0;
@@ -21,7 +22,7 @@ Subcommand add_eval(CLI::App& root) {
   auto f = std::make_shared<Flags>();
   auto* app = root.add_subcommand("eval", "Accuracy and confusion matrix of a checkpoint on MNIST");
   app->add_option("--checkpoint", f->checkpoint, "Checkpoint to evaluate")->capture_default_str();
-  app->add_option("--data", f->data_dir, "Directory with the MNIST IDX files")->capture_default_str();
+  add_data_flags(*app, f->data);
   app->add_option("--split", f->split, "test or train")
       ->check(CLI::IsMember({"test", "train"}))
       ->capture_default_str();
@@ -35,7 +36,7 @@ Subcommand add_eval(CLI::App& root) {
             if (f->threads > 0) set_threads(f->threads);
             auto model = train::load_model(f->checkpoint);
             auto split = f->split == "train" ? data::Split::kTrain : data::Split::kTest;
-            auto set = data::take(data::load_mnist(f->data_dir, split), f->limit);
+            auto set = data::take(data::load_mnist(f->data.resolved(), split), f->limit);
             auto r = train::evaluate(model, set, f->batch_size, f->no_progress || f->json ? nullptr : &std::cerr);
             if (f->json) {
               nlohmann::json j = {{"checkpoint", f->checkpoint}, {"split", f->split},   {"examples", r.examples},

@@ -30,7 +30,8 @@ constexpr const char* kOverlapDefinition =
 Subcommand add_multimnist(CLI::App& root) {
   struct Flags {
     train::MultiMnistTrainOptions o;
-    std::string data_dir = "data/mnist", checkpoint;
+    DataFlags data;
+    std::string checkpoint;
     uint64_t test_seed = 1001;
     bool eval_only = false, no_progress = false;
     int64_t figure_correct = 9, figure_wrong = 3, figure_columns = 3;
@@ -41,7 +42,7 @@ Subcommand add_multimnist(CLI::App& root) {
       "multimnist",
       "Train and evaluate a CapsNet on MultiMNIST: two overlapping digits in 36x36, both must be found "
       "(writes multimnist.json, multimnist.png, metrics.jsonl, checkpoint.pt in --out)");
-  app->add_option("--data", f->data_dir, "Directory with the four MNIST IDX files")->capture_default_str();
+  add_data_flags(*app, f->data);
   app->add_option("--out", f->o.out_dir, "Output directory")->capture_default_str();
   app->add_option("--steps", f->o.steps, "Optimizer steps (each on new generated pairs)")
       ->check(CLI::PositiveNumber)
@@ -125,10 +126,10 @@ Subcommand add_multimnist(CLI::App& root) {
               o.validate();  // before loading 50 MB of data
             }
 
-            auto test_set = data::load_mnist(f->data_dir, data::Split::kTest);
+            auto test_set = data::load_mnist(f->data.resolved(), data::Split::kTest);
             data::MultiMnist test_pairs(std::move(test_set), f->test_seed, gen_options);
             if (!f->eval_only) {
-              data::MultiMnist train_pairs(data::load_mnist(f->data_dir, data::Split::kTrain), o.seed, gen_options);
+              data::MultiMnist train_pairs(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.seed, gen_options);
               trained = train::train_multimnist(o, train_pairs, &test_pairs, std::cout);
               eval = trained->test;
               model = train::load_model(trained->checkpoint);

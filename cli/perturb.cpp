@@ -61,7 +61,8 @@ std::vector<int64_t> first_correct_per_class(models::CapsNet& model, const data:
 
 Subcommand add_perturb(CLI::App& root) {
   struct Flags {
-    std::string checkpoint = "runs/mnist/checkpoint.pt", data_dir = "data/mnist", out = "runs/perturb";
+    DataFlags data;
+    std::string checkpoint = "runs/mnist/checkpoint.pt", out = "runs/perturb";
     std::vector<int64_t> indices;
     bool use_label = false;
     double max_offset = 0.25;
@@ -74,7 +75,7 @@ Subcommand add_perturb(CLI::App& root) {
       "What capsule dimensions encode (paper Fig. 4): decode a digit's capsule with each dimension moved by "
       "-0.25..+0.25, one 16x11 PNG per digit");
   app->add_option("--checkpoint", f->checkpoint, "Trained checkpoint (with a decoder)")->capture_default_str();
-  app->add_option("--data", f->data_dir, "Directory with the MNIST IDX files")->capture_default_str();
+  add_data_flags(*app, f->data);
   app->add_option("--out", f->out, "Output directory (perturb_<index>_class<k>.png, perturb.json)")
       ->capture_default_str();
   app->add_option("--index", f->indices,
@@ -94,7 +95,7 @@ Subcommand add_perturb(CLI::App& root) {
             if (!model->config.reconstruction)
               throw std::invalid_argument(f->checkpoint +
                                           ": this checkpoint has no decoder; train without --no-reconstruction");
-            auto set = data::load_mnist(f->data_dir, data::Split::kTest);
+            auto set = data::load_mnist(f->data.resolved(), data::Split::kTest);
             for (int64_t i : f->indices)
               if (i < 0 || i >= set.size())
                 throw std::invalid_argument(fmt::format(
@@ -111,7 +112,7 @@ Subcommand add_perturb(CLI::App& root) {
             viz::PerturbationFigureLayout layout;
             layout.zoom = f->zoom;
             nlohmann::json report = {{"checkpoint", f->checkpoint},
-                                     {"data", f->data_dir},
+                                     {"data", f->data.resolved()},
                                      {"capsule", f->use_label ? "label" : "prediction"},
                                      {"offsets", options.offsets},
                                      {"digits", nlohmann::json::array()}};

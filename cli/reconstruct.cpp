@@ -15,8 +15,8 @@ namespace capsnet::cli {
 
 Subcommand add_reconstruct(CLI::App& root) {
   struct Flags {
-    std::string checkpoint = "runs/mnist/checkpoint.pt", data_dir = "data/mnist",
-                out = "runs/mnist/reconstructions.png";
+    DataFlags data;
+    std::string checkpoint = "runs/mnist/checkpoint.pt", out = "runs/mnist/reconstructions.png";
     int64_t correct = 12, wrong = 6;
     int threads = 0;
   };
@@ -24,7 +24,7 @@ Subcommand add_reconstruct(CLI::App& root) {
   auto* app = root.add_subcommand(
       "reconstruct", "Figure of (label, prediction, reconstructed-from) panels: test digits and their reconstructions");
   app->add_option("--checkpoint", f->checkpoint, "Trained checkpoint (with a decoder)")->capture_default_str();
-  app->add_option("--data", f->data_dir, "Directory with the MNIST IDX files")->capture_default_str();
+  add_data_flags(*app, f->data);
   app->add_option("--out", f->out, "PNG to write")->capture_default_str();
   app->add_option("--correct", f->correct, "Correctly classified digits to show")
       ->check(CLI::Range(0, 1000))
@@ -40,7 +40,7 @@ Subcommand add_reconstruct(CLI::App& root) {
             auto model = train::load_model(f->checkpoint);
             if (!model->config.reconstruction)
               throw std::invalid_argument(f->checkpoint + ": this model was trained without a decoder");
-            auto set = data::load_mnist(f->data_dir, data::Split::kTest);
+            auto set = data::load_mnist(f->data.resolved(), data::Split::kTest);
             torch::NoGradGuard no_grad;
             std::vector<torch::Tensor> panels;
             std::vector<std::string> captions;

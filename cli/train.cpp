@@ -13,7 +13,7 @@ namespace capsnet::cli {
 Subcommand add_train(CLI::App& root) {
   struct Flags {
     train::TrainOptions o;
-    std::string data_dir = "data/mnist";
+    DataFlags data;
     int64_t train_limit = 0, test_limit = 0;
     bool no_reconstruction = false, stop_routing_grad = false, no_eval = false, no_progress = false,
          composite_routing = false;
@@ -21,7 +21,7 @@ Subcommand add_train(CLI::App& root) {
   };
   auto f = std::make_shared<Flags>();
   auto* app = root.add_subcommand("train", "Train a CapsNet on MNIST (checkpoint + metrics.jsonl in --out)");
-  app->add_option("--data", f->data_dir, "Directory with the four MNIST IDX files")->capture_default_str();
+  add_data_flags(*app, f->data);
   app->add_option("--out", f->o.out_dir, "Output directory (checkpoint.pt, metrics.jsonl)")->capture_default_str();
   app->add_option("--epochs", f->o.epochs, "Epochs")->check(CLI::NonNegativeNumber)->capture_default_str();
   app->add_option("--steps", f->o.max_steps, "Total optimizer steps (overrides --epochs when > 0)")
@@ -66,9 +66,9 @@ Subcommand add_train(CLI::App& root) {
             f->o.fused_routing = !f->composite_routing;
             f->o.progress = !f->no_progress;
             f->o.validate();  // before loading 50 MB of data
-            auto train_set = data::take(data::load_mnist(f->data_dir, data::Split::kTrain), f->train_limit);
+            auto train_set = data::take(data::load_mnist(f->data.resolved(), data::Split::kTrain), f->train_limit);
             std::optional<data::ImageSet> test_set;
-            if (!f->no_eval) test_set = data::take(data::load_mnist(f->data_dir, data::Split::kTest), f->test_limit);
+            if (!f->no_eval) test_set = data::take(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_limit);
             auto r = train::train(f->o, train_set, test_set ? &*test_set : nullptr, std::cout);
             std::cout << fmt::format("trained steps {}..{} in {:.1f} s ({:.1f} img/s)\n", r.start_step, r.end_step,
                                      r.seconds, r.images_per_second);

@@ -3,6 +3,7 @@
 #include "capsnet/data/idx.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <filesystem>
 
@@ -22,7 +23,12 @@ std::string resolve(const std::string& dir, const char* name) {
   return plain;
 }
 
+constexpr const char* kFashionDir = "/usr/share/datasets/fashion-mnist";
+
 std::string fetch_hint(const std::string& dir) {
+  if (dir.find("fashion") != std::string::npos)
+    return "install Fashion-MNIST with 'apt-get install dataset-fashion-mnist' (files in " +
+           std::string(kFashionDir) + ")";
   return fmt::format("run scripts/fetch_mnist.sh to download MNIST (scripts/fetch_mnist.sh {} for this "
                      "directory)", dir);
 }
@@ -71,6 +77,27 @@ ImageSet load_mnist(const std::string& dir, Split split) {
   }
   set.labels = set.labels.to(torch::kLong);
   return set;
+}
+
+const std::vector<std::string>& dataset_names() {
+  static const std::vector<std::string> names = {"mnist", "fashion-mnist"};
+  return names;
+}
+
+std::string default_data_dir(const std::string& dataset) {
+  if (dataset == "mnist") return "data/mnist";
+  if (dataset == "fashion-mnist") return kFashionDir;
+  throw std::invalid_argument(
+      fmt::format("unknown dataset '{}' (expected one of: {})", dataset, fmt::join(dataset_names(), ", ")));
+}
+
+const std::vector<std::string>& class_names(const std::string& dataset) {
+  static const std::vector<std::string> digits = {"0", "1", "2", "3", "4", "5", "6", "7", "8", "9"};
+  static const std::vector<std::string> fashion = {"T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+                                                   "Sandal",      "Shirt",   "Sneaker",  "Bag",   "Ankle boot"};
+  if (dataset == "fashion-mnist") return fashion;
+  default_data_dir(dataset);  // throws for an unknown name
+  return digits;
 }
 
 ImageSet take(const ImageSet& set, int64_t n) {

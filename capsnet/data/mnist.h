@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <string>
+#include <vector>
 
 namespace capsnet::data {
 
@@ -25,6 +26,17 @@ std::string mnist_labels_path(const std::string& dir, Split split);
 /// Throws IdxError naming the file on any inconsistency, and a message that says how to fetch
 /// the data (scripts/fetch_mnist.sh) when the directory or files are missing.
 ImageSet load_mnist(const std::string& dir, Split split);
+
+/// Names accepted by default_data_dir: "mnist", "fashion-mnist".
+const std::vector<std::string>& dataset_names();
+
+/// Default directory of a dataset: "data/mnist" (fetched by scripts/fetch_mnist.sh) or
+/// "/usr/share/datasets/fashion-mnist" (Debian package dataset-fashion-mnist; gzipped IDX files).
+/// Throws std::invalid_argument listing the names for any other.
+std::string default_data_dir(const std::string& dataset);
+
+/// The ten class names of a dataset ("0".."9" for MNIST; "T-shirt/top".."Ankle boot" for Fashion-MNIST).
+const std::vector<std::string>& class_names(const std::string& dataset);
 
 /// The first `n` examples (all of them when n <= 0 or n >= size).
 ImageSet take(const ImageSet& set, int64_t n);
