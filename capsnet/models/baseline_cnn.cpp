@@ -21,7 +21,9 @@ int64_t BaselineCnnConfig::num_parameters() const {
   const int64_t fcs = flattened_features() * fc1_units + fc1_units +  // fc1
                       fc1_units * fc2_units + fc2_units +             // fc2
                       fc2_units * num_classes + num_classes;          // output
-  return convs + fcs;
+  const int64_t transformer =
+      stn ? nn::num_parameters(nn::SpatialTransformerOptions(image_channels, image_size, image_size)) : 0;
+  return convs + fcs + transformer;
 }
 
 void BaselineCnnConfig::validate() const {
@@ -54,7 +56,7 @@ nlohmann::json BaselineCnnConfig::to_json() const {
   return {{"image_channels", image_channels}, {"image_size", image_size},   {"conv1_channels", conv1_channels},
           {"conv2_channels", conv2_channels}, {"conv3_channels", conv3_channels}, {"kernel_size", kernel_size},
           {"pooling", pooling},               {"fc1_units", fc1_units},     {"fc2_units", fc2_units},
-          {"num_classes", num_classes},       {"dropout", dropout}};
+          {"num_classes", num_classes},       {"dropout", dropout},         {"stn", stn}};
 }
 
 BaselineCnnConfig BaselineCnnConfig::from_json(const nlohmann::json& j) {
@@ -81,6 +83,7 @@ BaselineCnnConfig BaselineCnnConfig::from_json(const nlohmann::json& j) {
   get("fc2_units", c.fc2_units);
   get("num_classes", c.num_classes);
   get("dropout", c.dropout);
+  get("stn", c.stn);
   c.validate();
   return c;
 }
@@ -100,6 +103,9 @@ void BaselineCnnImpl::reset() {
   fc2 = register_module("fc2", torch::nn::Linear(config.fc1_units, config.fc2_units));
   out = register_module("out", torch::nn::Linear(config.fc2_units, config.num_classes));
   drop = register_module("drop", torch::nn::Dropout(torch::nn::DropoutOptions(config.dropout)));
+  if (config.stn)
+    stn = register_module("stn", nn::SpatialTransformer(nn::SpatialTransformerOptions(
+                                     config.image_channels, config.image_size, config.image_size)));
 }
 
 torch::Tensor BaselineCnnImpl::forward(const torch::Tensor& images) {
@@ -107,7 +113,8 @@ torch::Tensor BaselineCnnImpl::forward(const torch::Tensor& images) {
                   images.size(2) == config.image_size && images.size(3) == config.image_size,
               "BaselineCnn: images must be [B, ", config.image_channels, ", ", config.image_size, ", ",
               config.image_size, "], got ", images.sizes());
-  auto x = torch::relu(conv1(images));        // [B, 256, S, S]
+  auto x = stn ? stn(images) : images;        // [B, C, S, S]
+  x = torch::relu(conv1(x));                  // [B, 256, S, S]
   if (config.pooling) x = torch::max_pool2d(x, 2);  // [B, 256, S/2, S/2]
   x = torch::relu(conv2(x));
   if (config.pooling) x = torch::max_pool2d(x, 2);  // [B, 256, S/4, S/4]

@@ -22,6 +22,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "capsnet/nn/spatial_transformer.h"
+
 namespace capsnet::models {
 
 /// Architecture hyper-parameters; defaults are the paper's baseline with our pooling choice (above).
@@ -37,12 +39,13 @@ struct BaselineCnnConfig {
   int64_t fc2_units = 192;
   int64_t num_classes = 10;
   double dropout = 0.5;  // after each hidden FC layer, training only; the paper gives no rate
+  bool stn = false;      // a SpatialTransformer warps the input first (Jaderberg et al. 2015)
 
   /// Side of the conv3 feature map: image_size, or image_size / 2 / 2 (floor) with pooling.
   int64_t feature_size() const;
   /// Inputs of fc1: conv3_channels * feature_size()^2.
   int64_t flattened_features() const;
-  /// Trainable scalars of the model this config builds (weights + biases of every layer).
+  /// Trainable scalars of the model this config builds (weights + biases of every layer, incl. the STN).
   int64_t num_parameters() const;
   /// Throws std::invalid_argument naming the bad field and value.
   void validate() const;
@@ -66,6 +69,7 @@ class BaselineCnnImpl : public torch::nn::Cloneable<BaselineCnnImpl> {
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, out{nullptr};
   torch::nn::Dropout drop{nullptr};
+  nn::SpatialTransformer stn{nullptr};  // only with config.stn
 };
 TORCH_MODULE(BaselineCnn);
 

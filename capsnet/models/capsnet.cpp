@@ -43,7 +43,8 @@ nlohmann::json CapsNetConfig::to_json() const {
           {"primary_kernel", primary_kernel},   {"primary_stride", primary_stride},
           {"num_classes", num_classes},         {"digit_dim", digit_dim},
           {"routing_iterations", routing_iterations}, {"grad_through_routing", grad_through_routing},
-          {"reconstruction", reconstruction},   {"reconstruction_scale", reconstruction_scale}};
+          {"reconstruction", reconstruction},   {"reconstruction_scale", reconstruction_scale},
+          {"stn", stn}};
 }
 
 CapsNetConfig CapsNetConfig::from_json(const nlohmann::json& j) {
@@ -73,6 +74,7 @@ CapsNetConfig CapsNetConfig::from_json(const nlohmann::json& j) {
   get("grad_through_routing", c.grad_through_routing);
   get("reconstruction", c.reconstruction);
   get("reconstruction_scale", c.reconstruction_scale);
+  get("stn", c.stn);
   c.validate();
   return c;
 }
@@ -99,6 +101,9 @@ void CapsNetImpl::reset() {
     decoder = register_module("decoder",
                               nn::Decoder(nn::DecoderOptions(config.num_classes * config.digit_dim, pixels)));
   }
+  if (config.stn)
+    stn = register_module("stn", nn::SpatialTransformer(nn::SpatialTransformerOptions(
+                                     config.image_channels, config.image_size, config.image_size)));
 }
 
 CapsNetOutput CapsNetImpl::forward(const torch::Tensor& images, const std::optional<torch::Tensor>& labels) {
@@ -107,7 +112,9 @@ CapsNetOutput CapsNetImpl::forward(const torch::Tensor& images, const std::optio
               "CapsNet: images must be [B, ", config.image_channels, ", ", config.image_size, ", ",
               config.image_size, "], got ", images.sizes());
   CapsNetOutput out;
-  auto u = primary_caps(torch::relu(conv1(images)));  // [B, I, 8]
+  // The decoder still reconstructs (and the loss compares with) the untransformed input.
+  const auto x = stn ? stn(images) : images;      // [B, C, S, S]
+  auto u = primary_caps(torch::relu(conv1(x)));  // [B, I, 8]
   out.digit_caps = digit_caps(u);                      // [B, K, 16]
   out.lengths = capsule_length(out.digit_caps);        // [B, K]
   if (decoder) {

@@ -12,6 +12,7 @@
 #include "capsnet/nn/decoder.h"
 #include "capsnet/nn/functional.h"
 #include "capsnet/nn/primary_caps.h"
+#include "capsnet/nn/spatial_transformer.h"
 
 namespace capsnet::models {
 
@@ -31,6 +32,7 @@ struct CapsNetConfig {
   bool grad_through_routing = true;
   bool reconstruction = true;  // decoder + 0.0005 * SSE term
   double reconstruction_scale = 0.0005;
+  bool stn = false;  // a SpatialTransformer warps the input first (Jaderberg et al. 2015); absent in old configs
 
   /// Side of the PrimaryCaps grid (6 for the paper's model).
   int64_t primary_grid() const;
@@ -73,6 +75,7 @@ class CapsNetImpl : public torch::nn::Cloneable<CapsNetImpl> {
   nn::PrimaryCaps primary_caps{nullptr};
   nn::CapsuleLinear digit_caps{nullptr};
   nn::Decoder decoder{nullptr};
+  nn::SpatialTransformer stn{nullptr};  // only with config.stn
 };
 TORCH_MODULE(CapsNet);
 
