@@ -27,7 +27,7 @@ const std::string& live_viewer_page() {
   .bar.win .fill { background: #e0402a; }
   .bar .v { width: 70px; text-align: right; font-variant-numeric: tabular-nums; }
   .slider { display: flex; align-items: center; gap: 6px; height: 19px; }
-  .slider label { width: 44px; } .slider input { width: 170px; margin: 0; }
+  .slider label { width: 52px; white-space: nowrap; } .slider input { width: 170px; margin: 0; }
   .slider output { width: 92px; font-variant-numeric: tabular-nums; font-size: 12px; }
   .note { color: #5b6475; font-size: 12px; }
   .charts { display: flex; gap: 16px; flex-wrap: wrap; }
@@ -289,7 +289,8 @@ async function loadRuns() {
   const r = await api("/api/runs"), sel = $("run"), keep = sel.value;
   sel.innerHTML = "";
   for (const name of r.runs) { const o = document.createElement("option"); o.value = o.textContent = name; sel.appendChild(o); }
-  if (r.runs.includes(keep)) sel.value = keep;
+  const wanted = new URLSearchParams(location.search).get("run");  // ?run=NAME preselects a run
+  if (r.runs.includes(keep)) sel.value = keep; else if (r.runs.includes(wanted)) sel.value = wanted;
   if (!r.runs.length) $("runstatus").textContent = "no metrics.jsonl under " + state.info.runs_dir;
   return r.runs;
 }
