@@ -1,0 +1,149 @@
+#include "capsnet/models/segcaps.h"
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "capsnet/nn/functional.h"
+
+namespace capsnet::models {
+
+void SegCapsConfig::validate() const {
+  auto positive = [](const char* name, int64_t value) {
+    if (value <= 0) throw std::invalid_argument(fmt::format("segcaps config: {} must be positive, got {}", name, value));
+  };
+  positive("image_size", image_size);
+  positive("stem_channels", stem_channels);
+  positive("stem_kernel", stem_kernel);
+  positive("primary_types", primary_types);
+  positive("primary_atoms", primary_atoms);
+  positive("types", types);
+  positive("low_atoms", low_atoms);
+  positive("high_atoms", high_atoms);
+  positive("kernel", kernel);
+  positive("seg_atoms", seg_atoms);
+  positive("routing_iterations", routing_iterations);
+  if (image_size % 4 != 0 || image_size < 8)
+    throw std::invalid_argument(
+        fmt::format("segcaps config: image_size must be a multiple of 4 and at least 8 (two stride-2 levels), got {}",
+                    image_size));
+  if (kernel % 2 == 0 || stem_kernel % 2 == 0)
+    throw std::invalid_argument(fmt::format(
+        "segcaps config: kernel and stem_kernel must be odd ('same' padding), got {} and {}", kernel, stem_kernel));
+}
+
+nlohmann::json SegCapsConfig::to_json() const {
+  return {{"image_size", image_size},
+          {"stem_channels", stem_channels},
+          {"stem_kernel", stem_kernel},
+          {"primary_types", primary_types},
+          {"primary_atoms", primary_atoms},
+          {"types", types},
+          {"low_atoms", low_atoms},
+          {"high_atoms", high_atoms},
+          {"kernel", kernel},
+          {"seg_atoms", seg_atoms},
+          {"routing_iterations", routing_iterations},
+          {"grad_through_routing", grad_through_routing},
+          {"share_across_types", share_across_types}};
+}
+
+SegCapsConfig SegCapsConfig::from_json(const nlohmann::json& j) {
+  if (!j.is_object()) throw std::invalid_argument("segcaps config: expected a JSON object");
+  SegCapsConfig c;
+  const auto known = c.to_json();
+  for (const auto& [key, value] : j.items()) {
+    if (!known.contains(key)) throw std::invalid_argument("segcaps config: unknown key '" + key + "'");
+    const bool both_integers = value.is_number_integer() && known[key].is_number_integer();
+    if (value.type() != known[key].type() && !both_integers)
+      throw std::invalid_argument("segcaps config: wrong type for '" + key + "'");
+  }
+  auto get = [&](const char* key, auto& field) {
+    if (j.contains(key)) field = j.at(key).get<std::decay_t<decltype(field)>>();
+  };
+  get("image_size", c.image_size);
+  get("stem_channels", c.stem_channels);
+  get("stem_kernel", c.stem_kernel);
+  get("primary_types", c.primary_types);
+  get("primary_atoms", c.primary_atoms);
+  get("types", c.types);
+  get("low_atoms", c.low_atoms);
+  get("high_atoms", c.high_atoms);
+  get("kernel", c.kernel);
+  get("seg_atoms", c.seg_atoms);
+  get("routing_iterations", c.routing_iterations);
+  get("grad_through_routing", c.grad_through_routing);
+  get("share_across_types", c.share_across_types);
+  c.validate();
+  return c;
+}
+
+SegCapsImpl::SegCapsImpl(const SegCapsConfig& config_) : config(config_) { reset(); }
+
+void SegCapsImpl::reset() {
+  config.validate();
+  const auto& c = config;
+  const int64_t r = c.routing_iterations, k = c.kernel;
+  auto conv = [&](int64_t ti, int64_t ai, int64_t to, int64_t ao, int64_t kernel, int64_t stride, int64_t iters) {
+    return nn::CapsuleConv2d(nn::CapsuleConv2dOptions(ti, ai, to, ao)
+                                 .kernel_size(kernel)
+                                 .stride(stride)
+                                 .padding(kernel / 2)
+                                 .routing_iterations(iters)
+                                 .grad_through_routing(c.grad_through_routing)
+                                 .share_across_types(c.share_across_types));
+  };
+  auto deconv = [&](int64_t ti, int64_t ai, int64_t to, int64_t ao) {
+    return nn::CapsuleConvTranspose2d(nn::CapsuleConvTranspose2dOptions(ti, ai, to, ao)
+                                          .routing_iterations(r)
+                                          .grad_through_routing(c.grad_through_routing)
+                                          .share_across_types(c.share_across_types));
+  };
+  stem = register_module("stem", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, c.stem_channels, c.stem_kernel)
+                                                       .padding(c.stem_kernel / 2)));
+  // SegCaps' primary capsules: one child type (the stem's feature map), routing r = 1.
+  primary = register_module("primary", conv(1, c.stem_channels, c.primary_types, c.primary_atoms, 5, 2, 1));
+  down1 = register_module("down1", conv(c.primary_types, c.primary_atoms, c.types, c.low_atoms, k, 1, r));
+  down2 = register_module("down2", conv(c.types, c.low_atoms, c.types, c.high_atoms, k, 2, r));
+  bottom = register_module("bottom", conv(c.types, c.high_atoms, c.types, c.high_atoms, k, 1, r));
+  up1 = register_module("up1", deconv(c.types, c.high_atoms, c.types, c.low_atoms));
+  up1_conv = register_module("up1_conv", conv(2 * c.types, c.low_atoms, c.types, c.low_atoms, k, 1, r));
+  up2 = register_module("up2", deconv(c.types, c.low_atoms, c.primary_types, c.stem_channels));
+  seg = register_module("seg", conv(c.primary_types + 1, c.stem_channels, 1, c.seg_atoms, 1, 1, r));
+}
+
+SegCapsOutput SegCapsImpl::forward(const torch::Tensor& images) {
+  const int64_t S = config.image_size;
+  if (!images.defined() || images.dim() != 4 || images.size(1) != 1 || images.size(2) != S || images.size(3) != S)
+    throw std::invalid_argument(fmt::format("SegCaps: images must be [B, 1, {}, {}], got {}", S, S,
+                                            images.defined() ? c10::str(images.sizes()) : "undefined"));
+  const int64_t B = images.size(0);
+  auto x = torch::relu(stem->forward(images));                     // [B, C, S, S]
+  auto stem_caps = x.view({B, 1, config.stem_channels, S, S});     // [B, 1, C, S, S]
+  auto p = primary->forward(stem_caps);                            // [B, P, Ap, S/2, S/2]
+  auto d1 = down1->forward(p);                                     // [B, T, La, S/2, S/2]
+  auto d2 = bottom->forward(down2->forward(d1));                   // [B, T, Ha, S/4, S/4]
+  auto u1 = up1_conv->forward(torch::cat({up1->forward(d2), d1}, 1));  // [B, T, La, S/2, S/2]
+  auto u2 = torch::cat({up2->forward(u1), stem_caps}, 1);          // [B, P + 1, C, S, S]
+  SegCapsOutput out;
+  out.capsules = seg->forward(u2);                                 // [B, 1, A_seg, S, S]
+  out.probability = capsule_length(out.capsules, /*dim=*/2);       // [B, 1, S, S]
+  return out;
+}
+
+torch::Tensor SegCapsImpl::loss(const SegCapsOutput& out, const torch::Tensor& masks) const {
+  if (!masks.defined() || masks.sizes() != out.probability.sizes())
+    throw std::invalid_argument(fmt::format("SegCaps::loss: masks must be {}, got {}", c10::str(out.probability.sizes()),
+                                            masks.defined() ? c10::str(masks.sizes()) : "undefined"));
+  // |v| < 1 always, but |v| -> 0 on background: clamp keeps log finite.
+  auto p = out.probability.clamp(1e-6, 1 - 1e-6);
+  return torch::binary_cross_entropy(p, masks.to(p.dtype()));
+}
+
+void SegCapsImpl::set_fused_routing(bool fused) {
+  for (auto* layer : {&primary, &down1, &down2, &bottom, &up1_conv, &seg}) (*layer)->options.fused(fused);
+  for (auto* layer : {&up1, &up2}) (*layer)->options.fused(fused);
+}
+
+}  // namespace capsnet::models
