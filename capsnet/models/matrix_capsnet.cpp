@@ -1,0 +1,115 @@
+#include "capsnet/models/matrix_capsnet.h"
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+namespace capsnet::models {
+
+std::array<int64_t, 3> MatrixCapsNetConfig::grid_sides() const {
+  const int64_t primary = (image_size - conv1_kernel) / conv1_stride + 1;
+  const int64_t caps1 = (primary - caps_kernel) / conv1_caps_stride + 1;
+  const int64_t caps2 = (caps1 - caps_kernel) / conv2_caps_stride + 1;
+  return {primary, caps1, caps2};
+}
+
+EmRoutingOptions MatrixCapsNetConfig::routing() const {
+  EmRoutingOptions o;
+  o.iterations = routing_iterations;
+  o.inverse_temperature = inverse_temperature_schedule(routing_iterations, lambda_first, lambda_last);
+  o.normalize_cost = normalize_cost;
+  return o;
+}
+
+void MatrixCapsNetConfig::validate() const {
+  auto positive = [](int64_t v, const char* name) {
+    if (v < 1) throw std::invalid_argument(fmt::format("MatrixCapsNetConfig: {} must be >= 1, got {}", name, v));
+  };
+  positive(image_channels, "image_channels");
+  positive(image_size, "image_size");
+  positive(conv1_channels, "conv1_channels");
+  positive(conv1_kernel, "conv1_kernel");
+  positive(conv1_stride, "conv1_stride");
+  positive(primary_types, "primary_types");
+  positive(conv1_caps_types, "conv1_caps_types");
+  positive(conv2_caps_types, "conv2_caps_types");
+  positive(caps_kernel, "caps_kernel");
+  positive(conv1_caps_stride, "conv1_caps_stride");
+  positive(conv2_caps_stride, "conv2_caps_stride");
+  positive(routing_iterations, "routing_iterations");
+  if (num_classes < 2)
+    throw std::invalid_argument(fmt::format("MatrixCapsNetConfig: num_classes must be >= 2, got {}", num_classes));
+  if (!(lambda_first > 0) || !(lambda_last > 0))
+    throw std::invalid_argument("MatrixCapsNetConfig: lambda_first and lambda_last must be > 0");
+  if (image_size < conv1_kernel)
+    throw std::invalid_argument(fmt::format("MatrixCapsNetConfig: image_size {} is smaller than conv1_kernel {}",
+                                            image_size, conv1_kernel));
+  const auto sides = grid_sides();
+  const int64_t primary = (image_size - conv1_kernel) / conv1_stride + 1;
+  if (primary < caps_kernel || sides[1] < caps_kernel)
+    throw std::invalid_argument(fmt::format(
+        "MatrixCapsNetConfig: image_size {} is too small: capsule grids {}x{} -> {}x{} cannot hold caps_kernel {}",
+        image_size, primary, primary, sides[1], sides[1], caps_kernel));
+}
+
+nlohmann::json MatrixCapsNetConfig::to_json() const {
+  return {{"image_channels", image_channels},
+          {"image_size", image_size},
+          {"conv1_channels", conv1_channels},
+          {"conv1_kernel", conv1_kernel},
+          {"conv1_stride", conv1_stride},
+          {"primary_types", primary_types},
+          {"conv1_caps_types", conv1_caps_types},
+          {"conv2_caps_types", conv2_caps_types},
+          {"caps_kernel", caps_kernel},
+          {"conv1_caps_stride", conv1_caps_stride},
+          {"conv2_caps_stride", conv2_caps_stride},
+          {"num_classes", num_classes},
+          {"routing_iterations", routing_iterations},
+          {"lambda_first", lambda_first},
+          {"lambda_last", lambda_last},
+          {"normalize_cost", normalize_cost},
+          {"coordinate_addition", coordinate_addition},
+          {"grid_sides", grid_sides()}};
+}
+
+MatrixCapsNetImpl::MatrixCapsNetImpl(const MatrixCapsNetConfig& config_) : config(config_) { reset(); }
+
+void MatrixCapsNetImpl::reset() {
+  config.validate();
+  const auto routing = config.routing();
+  conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(config.image_channels,
+                                                                              config.conv1_channels, config.conv1_kernel)
+                                                         .stride(config.conv1_stride)));
+  primary = register_module("primary", nn::PrimaryMatrixCaps(nn::PrimaryMatrixCapsOptions(config.conv1_channels,
+                                                                                           config.primary_types)));
+  conv_caps1 = register_module(
+      "conv_caps1", nn::ConvMatrixCaps(nn::ConvMatrixCapsOptions(config.primary_types, config.conv1_caps_types)
+                                           .kernel_size(config.caps_kernel)
+                                           .stride(config.conv1_caps_stride)
+                                           .routing(routing)));
+  conv_caps2 = register_module(
+      "conv_caps2", nn::ConvMatrixCaps(nn::ConvMatrixCapsOptions(config.conv1_caps_types, config.conv2_caps_types)
+                                           .kernel_size(config.caps_kernel)
+                                           .stride(config.conv2_caps_stride)
+                                           .routing(routing)));
+  class_caps = register_module(
+      "class_caps", nn::ClassMatrixCaps(nn::ClassMatrixCapsOptions(config.conv2_caps_types, config.num_classes)
+                                            .coordinate_addition(config.coordinate_addition)
+                                            .routing(routing)));
+}
+
+MatrixCapsNetOutput MatrixCapsNetImpl::forward(const torch::Tensor& images) {
+  if (!images.defined() || images.dim() != 4 || images.size(1) != config.image_channels ||
+      images.size(2) != config.image_size || images.size(3) != config.image_size)
+    throw std::invalid_argument(fmt::format("MatrixCapsNet: images must be [N, {}, {}, {}]", config.image_channels,
+                                            config.image_size, config.image_size));
+  auto x = torch::relu(conv1->forward(images));  // [N, A, S1, S1]
+  auto caps = primary->forward(x);               // [N, S1, S1, B, 16]
+  caps = conv_caps1->forward(caps);              // [N, S2, S2, C, 16]
+  caps = conv_caps2->forward(caps);              // [N, S3, S3, D, 16]
+  auto r = class_caps->forward(caps);            // [N, classes, 16], [N, classes]
+  return {r.poses, r.activations};
+}
+
+}  // namespace capsnet::models

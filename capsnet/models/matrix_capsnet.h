@@ -1,0 +1,67 @@
+#pragma once
+// The matrix-capsule network of Hinton, Sabour & Frosst (ICLR 2018), Fig. 1, with EM routing:
+// ReLU Conv1 A@5x5/2 -> PrimaryCaps B (1x1) -> ConvCaps1 C (3x3/2) -> ConvCaps2 D (3x3/1) -> Class
+// capsules (shared weights, coordinate addition). The paper uses A=64, B=C=D=32 on smallNORB (32x32);
+// the defaults here are a small variant (A=32, B=C=D=8) that trains on 2 CPU cores.
+
+#include <torch/torch.h>
+
+#include <array>
+#include <nlohmann/json.hpp>
+
+#include "capsnet/nn/em_routing.h"
+#include "capsnet/nn/matrix_caps.h"
+
+namespace capsnet::models {
+
+/// Architecture and routing hyper-parameters of MatrixCapsNet.
+struct MatrixCapsNetConfig {
+  int64_t image_channels = 1;
+  int64_t image_size = 28;
+  int64_t conv1_channels = 32;  // A (paper: 64 for smallNORB)
+  int64_t conv1_kernel = 5;
+  int64_t conv1_stride = 2;
+  int64_t primary_types = 8;  // B (paper: 32)
+  int64_t conv1_caps_types = 8;  // C (paper: 32)
+  int64_t conv2_caps_types = 8;  // D (paper: 32)
+  int64_t caps_kernel = 3;        // K of ConvCaps1 and ConvCaps2
+  int64_t conv1_caps_stride = 2;
+  int64_t conv2_caps_stride = 1;
+  int64_t num_classes = 10;
+  int64_t routing_iterations = 3;
+  double lambda_first = 1.0;  // inverse temperature of routing iteration 1 ...
+  double lambda_last = 1.0;   // ... and of the last one (linear in between)
+  bool normalize_cost = true;  // EmRoutingOptions::normalize_cost (not in the paper; see em_routing.h)
+  bool coordinate_addition = true;
+
+  /// Sides of the capsule grids: {primary, conv1 caps, conv2 caps} (12, 5, 3 for 28x28 input).
+  std::array<int64_t, 3> grid_sides() const;
+  /// The routing options every capsule layer uses.
+  EmRoutingOptions routing() const;
+  /// Throws std::invalid_argument naming the bad field (e.g. an image too small for the kernels).
+  void validate() const;
+  nlohmann::json to_json() const;
+};
+
+/// Forward result: the class capsules.
+struct MatrixCapsNetOutput {
+  torch::Tensor poses;        // [N, classes, 16]
+  torch::Tensor activations;  // [N, classes] in (0, 1); the prediction is the argmax
+};
+
+class MatrixCapsNetImpl : public torch::nn::Cloneable<MatrixCapsNetImpl> {
+ public:
+  explicit MatrixCapsNetImpl(const MatrixCapsNetConfig& config = {});
+  void reset() override;
+  /// images: [N, C, S, S] float in [0, 1].
+  MatrixCapsNetOutput forward(const torch::Tensor& images);
+
+  MatrixCapsNetConfig config;
+  torch::nn::Conv2d conv1{nullptr};
+  nn::PrimaryMatrixCaps primary{nullptr};
+  nn::ConvMatrixCaps conv_caps1{nullptr}, conv_caps2{nullptr};
+  nn::ClassMatrixCaps class_caps{nullptr};
+};
+TORCH_MODULE(MatrixCapsNet);
+
+}  // namespace capsnet::models

@@ -1,0 +1,85 @@
+#pragma once
+// EM routing between matrix capsules (Hinton, Sabour & Frosst, "Matrix capsules with EM routing",
+// ICLR 2018), as free functions on tensors.
+// Paper symbol -> code: V_ij = votes[b, i, j, :]; a_i = activations_in; beta_u, beta_a = beta_u, beta_a;
+// lambda = EmRoutingOptions::inverse_temperature; R_ij = assignment probabilities (internal);
+// mu_j, a_j = EmRoutingResult::poses, ::activations; Procedure 1 = em_routing (fast) /
+// detail::reference_em_routing (oracle). Spread loss (Sec. 3.1) = spread_loss, margin schedule = spread_margin.
+
+#include <torch/torch.h>
+
+#include <vector>
+
+namespace capsnet {
+
+/// Options of EM routing (Procedure 1).
+struct EmRoutingOptions {
+  /// Routing iterations t (the paper uses 3). Each runs an M-step; all but the last are followed by an
+  /// E-step (an E-step after the final M-step would not change mu or a, which are returned).
+  int64_t iterations = 3;
+  /// Inverse temperature lambda of the logistic, one per iteration (the paper raises it during routing;
+  /// see inverse_temperature_schedule). Empty: lambda = 1 in every iteration.
+  std::vector<double> inverse_temperature;
+  /// Added to every variance (sigma_j^h)^2 before its log and before dividing by it: keeps cost, the
+  /// Gaussian log-likelihood and their gradients finite when the votes of a parent coincide.
+  double variance_eps = 1e-4;
+  /// Added to sum_i R_ij before dividing by it (a parent that received no mass).
+  double mass_eps = 1e-8;
+  /// false (paper): cost^h = (beta_u + log sigma_j^h) * sum_i R_ij. true: sum_i R_ij is multiplied by
+  /// J / I (its value relative to a uniform share), so the cost does not grow with the number of
+  /// children I and the logistic does not saturate in wide layers. Not in the paper.
+  bool normalize_cost = false;
+};
+
+/// lambda_t linear from `first` (t = 1) to `last` (t = iterations); `first` when iterations == 1.
+std::vector<double> inverse_temperature_schedule(int64_t iterations, double first, double last);
+
+/// Output of em_routing.
+struct EmRoutingResult {
+  torch::Tensor poses;        // mu: [B, J, D] (the parents' pose means, e.g. D = 16 for 4x4 matrices)
+  torch::Tensor activations;  // a: [B, J] in (0, 1)
+};
+
+/// EM routing (Procedure 1), independently for each of the B routing problems:
+///   R_ij = 1/J; repeat: M-step for every parent j:
+///     R'_ij = R_ij a_i,  mu_j^h = sum_i R'_ij V_ij^h / sum_i R'_ij,
+///     (sigma_j^h)^2 = sum_i R'_ij (V_ij^h - mu_j^h)^2 / sum_i R'_ij  (+ variance_eps),
+///     cost^h = (beta_u + log sigma_j^h) sum_i R'_ij,  a_j = logistic(lambda (beta_a - sum_h cost^h));
+///   E-step for every child i:
+///     p_j = N(V_ij; mu_j, diag sigma_j^2),  R_ij = a_j p_j / sum_k a_k p_k.
+/// The E-step runs in log space (log a_j = logsigmoid, log p_j, softmax over j): no exp underflow.
+/// votes: [B, I, J, D]; activations_in: [B, I] in [0, 1]; beta_u, beta_a: [J] or one element
+/// (shared). Gradients flow through every step (R included). Throws std::invalid_argument naming the
+/// bad argument for wrong ranks, mismatched sizes, non-floating dtypes, iterations < 1 or a schedule
+/// of the wrong length.
+EmRoutingResult em_routing(const torch::Tensor& votes, const torch::Tensor& activations_in,
+                           const torch::Tensor& beta_u, const torch::Tensor& beta_a,
+                           const EmRoutingOptions& options = {});
+
+/// Spread-loss margin m at `step` of `total_steps`: linear from m_start (step 0) to m_end (step >=
+/// total_steps - 1); the paper anneals 0.2 -> 0.9. Throws std::invalid_argument if total_steps < 1.
+double spread_margin(int64_t step, int64_t total_steps, double m_start = 0.2, double m_end = 0.9);
+
+/// Spread loss (Sec. 3.1): L = sum_{i != t} max(0, m - (a_t - a_i))^2 per example, averaged over the
+/// batch. activations: [B, K]; labels: [B] int64 in [0, K). Returns a scalar. Throws
+/// std::invalid_argument naming the bad argument (shapes, label range, margin < 0).
+torch::Tensor spread_loss(const torch::Tensor& activations, const torch::Tensor& labels, double margin);
+
+namespace detail {
+/// Slow, obviously-correct Procedure 1 written from the paper's equations with explicit loops over the
+/// example b, children i, parents j and pose elements h on scalar tensors (autograd works through it,
+/// so it is also the gradient oracle). Computes p_j with exp directly, as in the paper (fine for the
+/// tiny, well-scaled inputs of the tests). Same arguments and result as em_routing.
+EmRoutingResult reference_em_routing(const torch::Tensor& votes, const torch::Tensor& activations_in,
+                                     const torch::Tensor& beta_u, const torch::Tensor& beta_a,
+                                     const EmRoutingOptions& options = {});
+
+/// Throws std::invalid_argument naming the bad argument unless the arguments fit em_routing.
+void check_em_routing_args(const torch::Tensor& votes, const torch::Tensor& activations_in,
+                           const torch::Tensor& beta_u, const torch::Tensor& beta_a, const EmRoutingOptions& options);
+
+/// lambda of iteration t (0-based) under `options`.
+double inverse_temperature_at(const EmRoutingOptions& options, int64_t t);
+}  // namespace detail
+
+}  // namespace capsnet

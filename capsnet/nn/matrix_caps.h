@@ -1,0 +1,109 @@
+#pragma once
+// Matrix-capsule layers of Hinton, Sabour & Frosst (ICLR 2018), Sec. 3 and Fig. 1:
+// PrimaryMatrixCaps (conv -> 4x4 pose + logistic activation), ConvMatrixCaps (K x K convolutional
+// capsules routed with EM), ClassMatrixCaps (one capsule per class, weights shared across positions,
+// coordinate addition). A capsule grid is a MatrixCaps: poses [N, H, W, T, 16], activations [N, H, W, T].
+
+#include <torch/torch.h>
+
+#include "capsnet/nn/em_routing.h"
+
+namespace capsnet::nn {
+
+/// Pose side: poses are 4x4 matrices, stored flattened row-major as 16 numbers.
+inline constexpr int64_t kPoseSide = 4;
+inline constexpr int64_t kPoseSize = kPoseSide * kPoseSide;
+
+/// A grid of matrix capsules of T types at H x W positions.
+struct MatrixCaps {
+  torch::Tensor poses;        // M: [N, H, W, T, 16] (4x4 row-major)
+  torch::Tensor activations;  // a: [N, H, W, T] in (0, 1)
+};
+
+struct PrimaryMatrixCapsOptions {
+  PrimaryMatrixCapsOptions(int64_t in_channels, int64_t capsule_types)
+      : in_channels_(in_channels), capsule_types_(capsule_types) {}
+  TORCH_ARG(int64_t, in_channels);    // A in the paper (32)
+  TORCH_ARG(int64_t, capsule_types);  // B in the paper (32)
+  TORCH_ARG(int64_t, kernel_size) = 1;  // the paper uses 1x1
+  TORCH_ARG(int64_t, stride) = 1;
+};
+
+/// PrimaryCaps: one convolution with T * 16 pose channels and T activation channels (logistic).
+/// x: [N, in_channels, H, W] -> MatrixCaps with poses [N, H', W', T, 16], activations [N, H', W', T].
+class PrimaryMatrixCapsImpl : public torch::nn::Cloneable<PrimaryMatrixCapsImpl> {
+ public:
+  explicit PrimaryMatrixCapsImpl(const PrimaryMatrixCapsOptions& options);
+  void reset() override;
+  MatrixCaps forward(const torch::Tensor& x);
+
+  PrimaryMatrixCapsOptions options;
+  torch::nn::Conv2d pose{nullptr}, activation{nullptr};
+};
+TORCH_MODULE(PrimaryMatrixCaps);
+
+struct ConvMatrixCapsOptions {
+  ConvMatrixCapsOptions(int64_t in_types, int64_t out_types) : in_types_(in_types), out_types_(out_types) {}
+  TORCH_ARG(int64_t, in_types);   // child capsule types B_in
+  TORCH_ARG(int64_t, out_types);  // parent capsule types C
+  TORCH_ARG(int64_t, kernel_size) = 3;  // K
+  TORCH_ARG(int64_t, stride) = 1;
+  TORCH_ARG(EmRoutingOptions, routing) = {};
+};
+
+/// Convolutional capsules (Sec. 3, Fig. 1 ConvCaps1/2). Each parent position (y, x) routes the
+/// I = K*K*B_in children of its K x K window (stride s, no padding) to its C parent types:
+/// vote V_ij = M_i W_{(ky,kx,b_in), c} (pose times a learned 4x4 matrix, one matrix per kernel offset,
+/// child type and parent type, shared across positions), then em_routing with per-type beta_u, beta_a.
+/// Each window is routed on its own: a child's assignment probabilities are normalised over the
+/// parent types of one window, not over all overlapping windows that contain it (a simplification).
+/// in: poses [N, H, W, B_in, 16], activations [N, H, W, B_in]
+///   -> poses [N, H', W', C, 16], activations [N, H', W', C] with H' = (H - K) / s + 1.
+class ConvMatrixCapsImpl : public torch::nn::Cloneable<ConvMatrixCapsImpl> {
+ public:
+  explicit ConvMatrixCapsImpl(const ConvMatrixCapsOptions& options);
+  void reset() override;
+  MatrixCaps forward(const MatrixCaps& in);
+  /// The votes and child activations of every window, before routing:
+  /// votes [N * H' * W', K*K*B_in, C, 16], activations [N * H' * W', K*K*B_in] (windows in (n, y, x) order,
+  /// children in (ky, kx, b_in) order).
+  std::pair<torch::Tensor, torch::Tensor> votes(const MatrixCaps& in) const;
+
+  ConvMatrixCapsOptions options;
+  torch::Tensor weight;  // W: [K*K*B_in, C, 4, 4]
+  torch::Tensor beta_u, beta_a;  // [C]
+};
+TORCH_MODULE(ConvMatrixCaps);
+
+struct ClassMatrixCapsOptions {
+  ClassMatrixCapsOptions(int64_t in_types, int64_t num_classes) : in_types_(in_types), num_classes_(num_classes) {}
+  TORCH_ARG(int64_t, in_types);
+  TORCH_ARG(int64_t, num_classes);
+  TORCH_ARG(bool, coordinate_addition) = true;
+  TORCH_ARG(EmRoutingOptions, routing) = {};
+};
+
+/// Class capsules (Sec. 3, "Coordinate Addition"): every child capsule at every position votes for
+/// each class with one 4x4 matrix per (child type, class), shared across positions; with
+/// coordinate_addition the scaled centre (row, column) = ((y + 0.5) / H, (x + 0.5) / W) of the child's
+/// position is added to the first two elements of the right-hand column of its vote matrix
+/// (elements [0][3] and [1][3]). All I = H*W*B_in children are routed to the classes by EM.
+/// in: poses [N, H, W, B_in, 16], activations [N, H, W, B_in] -> poses [N, classes, 16], activations [N, classes].
+class ClassMatrixCapsImpl : public torch::nn::Cloneable<ClassMatrixCapsImpl> {
+ public:
+  explicit ClassMatrixCapsImpl(const ClassMatrixCapsOptions& options);
+  void reset() override;
+  EmRoutingResult forward(const MatrixCaps& in);
+  /// votes [N, H*W*B_in, classes, 16] (children in (y, x, b_in) order) and activations [N, H*W*B_in].
+  std::pair<torch::Tensor, torch::Tensor> votes(const MatrixCaps& in) const;
+
+  ClassMatrixCapsOptions options;
+  torch::Tensor weight;  // W: [B_in, classes, 4, 4]
+  torch::Tensor beta_u, beta_a;  // [classes]
+};
+TORCH_MODULE(ClassMatrixCaps);
+
+/// Throws std::invalid_argument naming `who` unless `in` is a consistent grid with `types` capsule types.
+void check_matrix_caps(const MatrixCaps& in, int64_t types, const char* who);
+
+}  // namespace capsnet::nn

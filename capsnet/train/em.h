@@ -1,0 +1,68 @@
+#pragma once
+// Training and evaluation of the matrix-capsule network (EM routing) with the spread loss
+// (Hinton, Sabour & Frosst 2018, Sec. 3.1 and 5): Adam, margin m annealed linearly 0.2 -> 0.9.
+
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "capsnet/data/mnist.h"
+#include "capsnet/models/matrix_capsnet.h"
+
+namespace capsnet::train {
+
+struct EmTrainOptions {
+  models::MatrixCapsNetConfig model;
+  std::string out_dir = "runs/em";  // metrics.jsonl and model.pt go here
+  int64_t steps = 500;
+  int64_t batch_size = 32;
+  double lr = 3e-3;             // Adam
+  double weight_decay = 0.0;    // L2 on all parameters (Adam's weight_decay)
+  double margin_start = 0.2;    // spread-loss margin at step 0 ...
+  double margin_end = 0.9;      // ... reached at the last step (linear)
+  uint64_t seed = 1;            // initialisation and the order of the training examples
+  int64_t train_size = 0;       // first examples of the training split used (0 = all)
+  int64_t test_size = 10000;    // first test examples evaluated at the end (0 = none)
+  int64_t eval_batch_size = 100;
+  int64_t log_every = 20;       // steps between "train" metric records
+  bool progress = true;
+
+  /// Throws std::invalid_argument naming the first bad option.
+  void validate() const;
+  nlohmann::json to_json() const;
+};
+
+struct EmEval {
+  int64_t examples = 0;
+  double accuracy = 0;  // argmax of the class activations == label
+  double loss = 0;      // mean spread loss at margin m
+  double seconds = 0;
+};
+
+struct EmTrainResult {
+  int64_t steps = 0, images_seen = 0;
+  double seconds = 0, images_per_second = 0;
+  std::vector<double> losses;  // spread loss of every step
+  double final_train_accuracy = 0;  // over the last log_every steps
+  EmEval test;                      // examples == 0 when test_size == 0 or no test set
+  std::string model_path;           // OUT/model.pt (torch::save of the module)
+};
+
+/// Images [N, H, W] uint8 -> [N, 1, H, W] float in [0, 1].
+torch::Tensor to_input(const torch::Tensor& images);
+
+/// Evaluates the first `count` examples of `set` (all when count <= 0) without gradients.
+EmEval evaluate_em(models::MatrixCapsNet& model, const data::ImageSet& set, int64_t count, int64_t batch_size,
+                   double margin, std::ostream* progress = nullptr);
+
+/// Trains a fresh MatrixCapsNet with Adam on `train_set` (reshuffled every epoch with options.seed),
+/// spread-loss margin from spread_margin(step, steps, margin_start, margin_end), then evaluates on
+/// `test_set` (may be null). Writes OUT/metrics.jsonl (start, train, eval, end records) and OUT/model.pt.
+/// Throws TrainingDiverged (trainer.h) when the loss stops being finite.
+EmTrainResult train_em(const EmTrainOptions& options, const data::ImageSet& train_set, const data::ImageSet* test_set,
+                       std::ostream& log);
+
+}  // namespace capsnet::train
