@@ -1,13 +1,45 @@
-// Placeholder: registered so that the command table is stable while the command is being written.
-#include <stdexcept>
+#include <fmt/format.h>
 
+#include <iostream>
+#include <memory>
+
+#include "capsnet/train/export.h"
+#include "capsnet/train/runtime.h"
 #include "cli/commands.h"
 
 namespace capsnet::cli {
 
 Subcommand add_export(CLI::App& root) {
-  auto* app = root.add_subcommand("export", "Export a checkpoint's weights for Python (torch::pickle_save, read by torch.load) (not implemented yet)");
-  return {app, []() -> int { throw std::runtime_error("capsnet export is not implemented yet"); }};
+  struct Flags {
+    std::string checkpoint = "runs/mnist/checkpoint.pt", out;
+    int64_t probe = 0;
+    uint64_t probe_seed = 0;
+    int threads = 0;
+  };
+  auto f = std::make_shared<Flags>();
+  auto* app = root.add_subcommand(
+      "export", "Export a checkpoint's weights and config for Python (torch::pickle_save, read by torch.load)");
+  app->add_option("--checkpoint", f->checkpoint, "Checkpoint to export")->capture_default_str();
+  app->add_option("--out", f->out, "Weight file to write (atomically), e.g. weights.pt")->required();
+  app->add_option("--probe", f->probe,
+                  "Also store N seeded noise images with the C++ model's outputs (to check a port)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_option("--probe-seed", f->probe_seed, "Seed of the probe images")->capture_default_str();
+  add_threads_flag(*app, f->threads);
+
+  return {app, [f]() {
+            if (f->threads > 0) set_threads(f->threads);
+            train::ExportOptions o;
+            o.probe = f->probe;
+            o.probe_seed = f->probe_seed;
+            auto s = train::export_checkpoint(f->checkpoint, f->out, o);
+            std::cout << fmt::format("exported {} (step {}): {} tensors, {} parameters{} -> {} ({:.1f} MB)\n",
+                                     f->checkpoint, s.step, s.tensors, s.parameters,
+                                     f->probe > 0 ? fmt::format(", probe of {} images", f->probe) : "", f->out,
+                                     s.bytes / 1e6);
+            return 0;
+          }};
 }
 
 }  // namespace capsnet::cli

@@ -1,0 +1,74 @@
+#pragma once
+// Weights for Python: a checkpoint's model as one torch::pickle_save file that Python's torch.load
+// reads (python/capsnet/model.py builds the equivalent nn.Module from it).
+//
+// File layout (a dict; torch.load gives a Python dict with the same keys):
+//   "format"     "capsnet-weights"
+//   "version"    1
+//   "config"     CapsNetConfig::to_json() as a JSON string
+//   "step"       optimizer steps of the checkpoint
+//   "state_dict" {name -> tensor}: every parameter and buffer, names as named_parameters()
+//                ("conv1.weight", "primary_caps.conv.weight", "digit_caps.weight" [I, J, D, Din],
+//                "decoder.fc1.weight", ...), i.e. the names of the Python module's state_dict()
+//   "probe"      (only with ExportOptions::probe > 0) C++ reference outputs for checking a port:
+//                {"images" [N, C, H, W] in [0, 1), "digit_caps" [N, K, D], "lengths" [N, K],
+//                 "reconstruction" [N, C*H*W] (decoder of the longest capsule; absent without a decoder)}
+
+#include <torch/torch.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+
+#include "capsnet/models/capsnet.h"
+
+namespace capsnet::train {
+
+/// Thrown for unreadable or malformed weight files and failed writes; what() names the file.
+class ExportError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+inline constexpr const char* kWeightsFormat = "capsnet-weights";
+inline constexpr int64_t kWeightsVersion = 1;
+
+struct ExportOptions {
+  /// Number of seeded uniform-noise probe images whose C++ outputs are stored beside the weights
+  /// (0 = none). Inference mode: the decoder sees the longest capsule.
+  int64_t probe = 0;
+  uint64_t probe_seed = 0;
+};
+
+/// The exported dict for `model` (see the layout above). Throws std::invalid_argument for probe < 0.
+c10::Dict<std::string, c10::IValue> export_dict(models::CapsNet& model, int64_t step, const ExportOptions& options);
+
+/// Writes export_dict(model, step, options) to `path` atomically (temp file, fsync, rename);
+/// creates missing parent directories. Returns the number of bytes written.
+int64_t save_weights(const std::string& path, models::CapsNet& model, int64_t step, const ExportOptions& options = {});
+
+struct ExportSummary {
+  int64_t step = 0;
+  int64_t tensors = 0;     // entries of the state dict
+  int64_t parameters = 0;  // trainable scalars
+  int64_t bytes = 0;       // size of the written file
+};
+
+/// Loads the checkpoint (CheckpointError when missing or broken) and exports it to `out_path`.
+/// Throws std::invalid_argument when `out_path` is the checkpoint itself or an existing directory.
+ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::string& out_path,
+                                const ExportOptions& options = {});
+
+/// A weight file read back in C++ (tests, tools).
+struct ExportedWeights {
+  nlohmann::json config;
+  int64_t step = 0;
+  std::map<std::string, torch::Tensor> state_dict;
+  std::map<std::string, torch::Tensor> probe;  // empty when exported without a probe
+};
+
+/// Reads a file written by save_weights with torch::pickle_load; ExportError naming the file otherwise.
+ExportedWeights read_weights(const std::string& path);
+
+}  // namespace capsnet::train

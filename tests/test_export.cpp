@@ -1,0 +1,168 @@
+// capsnet export: the weight file read back with torch::pickle_load equals the model (round trip),
+// the probe holds the model's own outputs, the CLI end to end on a tiny checkpoint, and the errors.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "capsnet/train/checkpoint.h"
+#include "capsnet/train/export.h"
+#include "test_helpers.h"
+
+namespace capsnet {
+namespace {
+
+using testing::TempDir;
+using testing::tiny_config;
+
+const std::string kCli = CAPSNET_CLI;
+
+models::CapsNet tiny_model(uint64_t seed) {
+  torch::manual_seed(seed);
+  return models::CapsNet(tiny_config());
+}
+
+void expect_same_as_model(const train::ExportedWeights& w, models::CapsNet& model) {
+  EXPECT_EQ(w.config, model->config.to_json());
+  const auto params = model->named_parameters();
+  ASSERT_EQ(w.state_dict.size(), params.size() + model->named_buffers().size());
+  for (const auto& p : params) {
+    auto it = w.state_dict.find(p.key());
+    ASSERT_NE(it, w.state_dict.end()) << p.key();
+    EXPECT_TRUE(torch::equal(it->second, p.value())) << p.key();
+    EXPECT_EQ(it->second.dtype(), p.value().dtype()) << p.key();
+  }
+}
+
+TEST(Export, RoundTripThroughPickleLoadGivesBackTheSameTensors) {
+  TempDir dir;
+  auto model = tiny_model(1);
+  const auto path = dir / "sub/weights.pt";  // parent directory created
+  const auto bytes = train::save_weights(path, model, 42);
+  EXPECT_EQ(bytes, static_cast<int64_t>(std::filesystem::file_size(path)));
+  auto w = train::read_weights(path);
+  EXPECT_EQ(w.step, 42);
+  EXPECT_TRUE(w.probe.empty());
+  expect_same_as_model(w, model);
+  EXPECT_EQ(w.state_dict.at("digit_caps.weight").sizes(),
+            (std::vector<int64_t>{model->config.num_primary_caps(), 10, 4, 4}));
+  // The written tensors are copies: training the model afterwards does not change them.
+  auto before = w.state_dict.at("conv1.weight").clone();
+  torch::NoGradGuard g;
+  model->conv1->weight.add_(1);
+  EXPECT_TRUE(torch::equal(train::read_weights(path).state_dict.at("conv1.weight"), before));
+  // No temporary files left beside it.
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir / "sub")) files += e.is_regular_file();
+  EXPECT_EQ(files, 1);
+}
+
+TEST(Export, ProbeHoldsTheModelsInferenceOutputs) {
+  TempDir dir;
+  auto model = tiny_model(2);
+  model->train();
+  train::ExportOptions o;
+  o.probe = 3;
+  o.probe_seed = 5;
+  train::save_weights(dir / "a.pt", model, 0, o);
+  EXPECT_TRUE(model->is_training());  // restored after the probe
+  auto w = train::read_weights(dir / "a.pt");
+  const auto& images = w.probe.at("images");
+  ASSERT_EQ(images.sizes(), (std::vector<int64_t>{3, 1, 12, 12}));
+  EXPECT_GE(images.min().item<float>(), 0.f);
+  EXPECT_LT(images.max().item<float>(), 1.f);
+  torch::NoGradGuard g;
+  model->eval();
+  auto out = model(images);
+  EXPECT_TRUE(torch::allclose(w.probe.at("lengths"), out.lengths, 1e-6, 1e-7));
+  EXPECT_TRUE(torch::allclose(w.probe.at("digit_caps"), out.digit_caps, 1e-6, 1e-7));
+  // Inference masking: the reconstruction decodes the longest capsule.
+  EXPECT_TRUE(torch::allclose(w.probe.at("reconstruction"), model->decode(out.digit_caps, out.lengths.argmax(1)),
+                              1e-6, 1e-7));
+  // Same seed, same images; another seed, other images.
+  train::save_weights(dir / "b.pt", model, 0, o);
+  EXPECT_TRUE(torch::equal(train::read_weights(dir / "b.pt").probe.at("images"), images));
+  o.probe_seed = 6;
+  train::save_weights(dir / "c.pt", model, 0, o);
+  EXPECT_FALSE(torch::equal(train::read_weights(dir / "c.pt").probe.at("images"), images));
+}
+
+TEST(Export, NoDecoderMeansNoReconstructionInTheProbe) {
+  TempDir dir;
+  auto c = tiny_config();
+  c.reconstruction = false;
+  models::CapsNet model(c);
+  train::ExportOptions o;
+  o.probe = 2;
+  train::save_weights(dir / "w.pt", model, 0, o);
+  auto w = train::read_weights(dir / "w.pt");
+  EXPECT_EQ(w.probe.count("reconstruction"), 0u);
+  EXPECT_EQ(w.state_dict.count("decoder.fc1.weight"), 0u);
+  expect_same_as_model(w, model);
+}
+
+TEST(Export, CliExportsACheckpoint) {
+  TempDir dir;
+  auto model = tiny_model(3);
+  train::save_checkpoint(dir / "ckpt.pt", model, nullptr, {7, model->config.to_json(), nlohmann::json::object()});
+  auto r = testing::run_command(kCli + " export --checkpoint " + (dir / "ckpt.pt") + " --out " + (dir / "w.pt") +
+                                " --probe 2 --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("(step 7)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("probe of 2 images"), std::string::npos) << r.output;
+  auto w = train::read_weights(dir / "w.pt");
+  EXPECT_EQ(w.step, 7);
+  EXPECT_EQ(w.probe.at("lengths").sizes(), (std::vector<int64_t>{2, 10}));
+  expect_same_as_model(w, model);
+}
+
+TEST(Export, ErrorsNameTheBadArgument) {
+  TempDir dir;
+  auto model = tiny_model(4);
+  const auto ckpt = dir / "ckpt.pt";
+  train::save_checkpoint(ckpt, model, nullptr, {0, model->config.to_json(), nlohmann::json::object()});
+
+  EXPECT_THROW(train::export_checkpoint(dir / "absent.pt", dir / "w.pt"), train::CheckpointError);
+  EXPECT_THROW(train::export_checkpoint(ckpt, dir.str()), std::invalid_argument);  // a directory
+  EXPECT_THROW(train::export_checkpoint(ckpt, ckpt), std::invalid_argument);       // itself
+  train::ExportOptions bad;
+  bad.probe = -1;
+  EXPECT_THROW(train::export_checkpoint(ckpt, dir / "w.pt", bad), std::invalid_argument);
+  EXPECT_FALSE(std::filesystem::exists(dir / "w.pt"));
+  {
+    std::ofstream f(dir / "file");
+    f << "x";
+  }
+  EXPECT_THROW(train::save_weights(dir / "file/w.pt", model, 0), train::ExportError);  // parent is a file
+
+  auto message = [](auto fn) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no exception");
+  };
+  EXPECT_NE(message([&] { train::export_checkpoint(ckpt, ckpt); }).find("is the checkpoint itself"), std::string::npos);
+  EXPECT_NE(message([&] { train::read_weights(dir / "nope.pt"); }).find("nope.pt"), std::string::npos);
+  // A checkpoint is not a weight file; a truncated weight file is reported as such.
+  EXPECT_THROW(train::read_weights(ckpt), train::ExportError);
+  train::save_weights(dir / "w.pt", model, 0);
+  std::filesystem::resize_file(dir / "w.pt", std::filesystem::file_size(dir / "w.pt") / 2);
+  EXPECT_NE(message([&] { train::read_weights(dir / "w.pt"); }).find("cannot be read"), std::string::npos);
+
+  auto r = testing::run_command(kCli + " export --checkpoint " + (dir / "absent.pt") + " --out " + (dir / "x.pt"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("absent.pt"), std::string::npos) << r.output;
+  r = testing::run_command(kCli + " export --checkpoint " + ckpt + " --out " + (dir / "x.pt") + " --probe -1");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--probe"), std::string::npos) << r.output;
+  r = testing::run_command(kCli + " export --checkpoint " + ckpt);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--out"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(dir / "x.pt"));
+}
+
+}  // namespace
+}  // namespace capsnet
