@@ -2,8 +2,11 @@
 
 #include <iostream>
 #include <memory>
+#include <thread>
 
 #include "capsnet/data/mnist.h"
+#include "capsnet/train/distributed.h"
+#include "capsnet/train/launch.h"
 #include "capsnet/train/runtime.h"
 #include "capsnet/train/trainer.h"
 #include "cli/commands.h"
@@ -18,6 +21,8 @@ Subcommand add_train(CLI::App& root) {
     bool no_reconstruction = false, stop_routing_grad = false, no_eval = false, no_progress = false,
          composite_routing = false;
     int threads = 0;
+    int nproc = 1;              // data-parallel processes started by this command (docs/distributed.md)
+    double dist_timeout = 300;  // seconds a rank waits for its peers
   };
   auto f = std::make_shared<Flags>();
   auto* app = root.add_subcommand("train", "Train a CapsNet on MNIST (checkpoint + metrics.jsonl in --out)");
@@ -58,6 +63,14 @@ Subcommand add_train(CLI::App& root) {
   app->add_flag("--no-eval", f->no_eval, "Skip the test-set evaluation at epoch ends");
   app->add_flag("--no-progress", f->no_progress, "No progress bar");
   add_threads_flag(*app, f->threads);
+  app->add_option("--nproc", f->nproc,
+                  "Data-parallel processes on this machine (c10d/Gloo over 127.0.0.1; --threads is split among "
+                  "them). Ranks can also be started by hand with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  app->add_option("--dist-timeout", f->dist_timeout, "Seconds a rank waits for its peers before failing")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
 
   return {app, [f]() {
             if (f->threads > 0) set_threads(f->threads);
@@ -67,10 +80,34 @@ Subcommand add_train(CLI::App& root) {
             f->o.fused_routing = !f->composite_routing;
             f->o.progress = !f->no_progress;
             f->o.validate();  // before loading 50 MB of data
+            const auto env = train::distributed_env_from_environment();
+            if (f->nproc > 1) {
+              if (env.active())
+                throw std::invalid_argument(fmt::format(
+                    "--nproc {} cannot be combined with WORLD_SIZE={} in the environment: use one or the other",
+                    f->nproc, env.world_size));
+              if (f->o.batch_size < f->nproc)
+                throw std::invalid_argument(fmt::format("--nproc {} needs --batch-size >= {} (each process takes a "
+                                                        "slice of every batch), got {}",
+                                                        f->nproc, f->nproc, f->o.batch_size));
+              train::LaunchOptions launch;
+              launch.nproc = f->nproc;
+              const int total = f->threads > 0 ? f->threads : static_cast<int>(std::thread::hardware_concurrency());
+              launch.threads_per_rank = std::max(1, total / f->nproc);
+              std::cout << fmt::format("launching {} processes on 127.0.0.1, {} intra-op thread(s) each\n", f->nproc,
+                                       launch.threads_per_rank)
+                        << std::flush;
+              return train::launch_local(train::remove_flags(train::self_command_line(), {"--nproc", "--threads"}),
+                                         launch, std::cerr);
+            }
+            std::shared_ptr<train::ProcessGroup> group;
+            if (env.active())
+              group = train::ProcessGroup::create(env, train::ProcessGroupOptions().timeout_seconds(f->dist_timeout));
             auto train_set = data::take(data::load_mnist(f->data.resolved(), data::Split::kTrain), f->train_limit);
             std::optional<data::ImageSet> test_set;
             if (!f->no_eval) test_set = data::take(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_limit);
-            auto r = train::train(f->o, train_set, test_set ? &*test_set : nullptr, std::cout);
+            auto r = train::train(f->o, train_set, test_set ? &*test_set : nullptr, std::cout, group);
+            if (group && group->rank() != 0) return 0;  // rank 0 reports
             std::cout << fmt::format("trained steps {}..{} in {:.1f} s ({:.1f} img/s)\n", r.start_step, r.end_step,
                                      r.seconds, r.images_per_second);
             if (r.test)

@@ -9,6 +9,7 @@
 
 #include "capsnet/data/transforms.h"
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/distributed.h"
 #include "capsnet/train/metrics.h"
 
 namespace capsnet::train {
@@ -82,10 +83,20 @@ std::string checkpoint_path(const std::string& out_dir) { return out_dir + "/che
 std::string metrics_path(const std::string& out_dir) { return out_dir + "/metrics.jsonl"; }
 
 TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, const data::ImageSet* test_set,
-                  std::ostream& log) {
+                  std::ostream& all_log, std::shared_ptr<ProcessGroup> group) {
   options.validate();
   const int64_t n = train_set.size();
   if (n == 0) throw std::invalid_argument("training set is empty");
+  const int rank = group ? group->rank() : 0, world = group ? group->world_size() : 1;
+  if (world > 1 && (options.batch_size < world || (n % options.batch_size != 0 && n % options.batch_size < world)))
+    throw std::invalid_argument(fmt::format("{} processes need at least {} examples in every batch, but batch size "
+                                            "{} over {} examples leaves a last batch of {}",
+                                            world, world, options.batch_size, n,
+                                            n % options.batch_size == 0 ? options.batch_size : n % options.batch_size));
+  const bool lead = rank == 0;  // the one rank that logs, evaluates and writes files
+  std::ostream null_log(nullptr);
+  std::ostream& log = lead ? all_log : null_log;
+  const bool progress = options.progress && lead;
   if (train_set.images.size(1) != options.model.image_size || train_set.images.size(2) != options.model.image_size)
     throw std::invalid_argument(fmt::format("training images are {}x{} but the model expects {}x{}",
                                             train_set.images.size(1), train_set.images.size(2),
@@ -107,11 +118,19 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
     log << fmt::format("resumed from {} at step {}\n", options.resume, step);
   }
   model->train();
+  std::optional<GradientReducer> reducer;
+  if (group) {
+    // The same seed already gives every rank the same weights; the broadcast also covers resumes
+    // and anything else that could make rank 0's state the only one to trust.
+    broadcast_parameters(*group, model->parameters());
+    reducer.emplace(group, model->parameters());
+  }
 
   const int64_t steps_per_epoch = (n + options.batch_size - 1) / options.batch_size;
   const int64_t total_steps = options.max_steps > 0 ? options.max_steps : options.epochs * steps_per_epoch;
   const int64_t total_epochs = (total_steps + steps_per_epoch - 1) / steps_per_epoch;
-  JsonLinesWriter metrics(metrics_path(options.out_dir), /*truncate=*/options.resume.empty());
+  JsonLinesWriter metrics = lead ? JsonLinesWriter(metrics_path(options.out_dir), /*truncate=*/options.resume.empty())
+                                 : JsonLinesWriter();  // not open: writes nothing
   metrics.write({{"event", "start"},
                  {"step", step},
                  {"model", options.model.to_json()},
@@ -121,6 +140,9 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
   log << fmt::format("CapsNet: {} parameters, {} training examples, batch {}, {} steps ({} per epoch), {} threads\n",
                      models::count_parameters(*model), n, options.batch_size, total_steps, steps_per_epoch,
                      at::get_num_threads());
+  if (group)
+    log << fmt::format("data parallel: {} processes, {} examples each per step, {} gradient buckets\n", world,
+                       options.batch_size / world, reducer->bucket_count());
 
   TrainResult result;
   result.start_step = step;
@@ -132,7 +154,7 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
                                          "is {} (step {}). Try a lower --lr.",
                                          at_step, result.checkpoint.empty() ? "(none)" : result.checkpoint,
                                          last_saved));
-    save_checkpoint(ckpt, model, &optimizer, {at_step, options.model.to_json(), options_json});
+    if (lead) save_checkpoint(ckpt, model, &optimizer, {at_step, options.model.to_json(), options_json});
     result.checkpoint = ckpt;
     last_saved = at_step;
     metrics.write({{"event", "checkpoint"}, {"step", at_step}, {"path", ckpt}});
@@ -156,8 +178,9 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
       ep_loss = 0;
       ep_correct = ep_seen = 0;
       const int64_t epoch_steps = std::min(steps_per_epoch, total_steps - epoch * steps_per_epoch);
-      bar.emplace(std::cerr, fmt::format("epoch {}/{}", epoch + 1, total_epochs), epoch_steps, options.progress);
+      bar.emplace(std::cerr, fmt::format("epoch {}/{}", epoch + 1, total_epochs), epoch_steps, progress);
     }
+    if (group) maybe_inject_fault(rank, step);
     const auto t0 = Clock::now();
     const int64_t begin = index * options.batch_size, len = std::min(options.batch_size, n - begin);
     auto ids = perm.narrow(0, begin, len);
@@ -165,13 +188,36 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
     auto images = data::random_shift(data::to_float(train_set.images.index_select(0, ids)), options.max_shift,
                                      shift_gen);  // [B, 1, 28, 28]
     auto labels = train_set.labels.index_select(0, ids);  // [B]
+    if (group) {
+      // Shifts are drawn for the whole global batch above, so each example gets the shift it would
+      // get in one process; this rank keeps its rows.
+      const auto [lo, hi] = rank_slice(len, rank, world);
+      images = images.narrow(0, lo, hi - lo);  // [b, 1, 28, 28]
+      labels = labels.narrow(0, lo, hi - lo);  // [b]
+    }
 
     const double lr = options.lr * std::pow(options.lr_decay, static_cast<double>(step) / steps_per_epoch);
     for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
 
     auto out = model(images, labels);
     auto loss = model->loss(out, images, labels);
-    const double loss_value = loss.total.item<double>();
+    double loss_value = loss.total.item<double>();
+    double margin_value = 0, recon_value = 0;
+    int64_t correct = 0;
+    if (group) {
+      // Global means over the batch, so logs, metrics and the divergence check match one process.
+      const double local = static_cast<double>(images.size(0));
+      auto stats = torch::tensor({loss_value * local, loss.margin.item<double>() * local,
+                                  loss.reconstruction.item<double>() * local,
+                                  out.lengths.argmax(1).eq(labels).sum().item<double>()},
+                                 torch::kFloat64);
+      std::vector<torch::Tensor> one{stats};
+      group->allreduce_sum(one);
+      loss_value = stats[0].item<double>() / len;
+      margin_value = stats[1].item<double>() / len;
+      recon_value = stats[2].item<double>() / len;
+      correct = static_cast<int64_t>(stats[3].item<double>() + 0.5);
+    }
     if (!std::isfinite(loss_value))
       throw TrainingDiverged(fmt::format("loss is {} at step {} (epoch {}); stopping. The last good checkpoint is "
                                          "{} (step {}). Try a lower --lr.",
@@ -179,17 +225,28 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
                                          result.checkpoint.empty() ? "(none written yet)" : result.checkpoint,
                                          last_saved));
     optimizer.zero_grad();
-    loss.total.backward();
+    if (group) {
+      // The loss is a mean over this rank's b rows; weighting it by b * W / B before the average
+      // over W ranks gives sum_r (b_r / B) grad_r, the gradient of the mean over the global batch.
+      (loss.total * (static_cast<double>(images.size(0)) * world / len)).backward();
+      reducer->average();
+    } else {
+      loss.total.backward();
+    }
     optimizer.step();
     ++step;
 
-    const int64_t correct = out.lengths.argmax(1).eq(labels).sum().item<int64_t>();
+    if (!group) {
+      correct = out.lengths.argmax(1).eq(labels).sum().item<int64_t>();
+      margin_value = loss.margin.item<double>();
+      recon_value = loss.reconstruction.item<double>();
+    }
     run_seconds += seconds_since(t0);
     run_images += len;
     result.losses.push_back(loss_value);
     win_loss += loss_value;
-    win_margin += loss.margin.item<double>();
-    win_recon += loss.reconstruction.item<double>();
+    win_margin += margin_value;
+    win_recon += recon_value;
     win_correct += correct;
     win_seen += len;
     ++win_steps;
@@ -221,8 +278,8 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
                               100.0 * ep_correct / ep_seen, img_s));
       std::string line = fmt::format("epoch {}: train loss {:.4f} accuracy {:.2f}% ({:.0f} img/s)", epoch + 1,
                                      ep_loss / ep_seen, 100.0 * ep_correct / ep_seen, img_s);
-      if (test_set && options.evaluate_each_epoch) {
-        auto r = evaluate(model, *test_set, options.eval_batch_size, options.progress ? &std::cerr : nullptr);
+      if (test_set && options.evaluate_each_epoch && lead) {
+        auto r = evaluate(model, *test_set, options.eval_batch_size, progress ? &std::cerr : nullptr);
         metrics.write({{"event", "eval"},
                        {"split", "test"},
                        {"step", step},

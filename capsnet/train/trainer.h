@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <stdexcept>
@@ -16,6 +17,8 @@
 #include "capsnet/train/evaluate.h"
 
 namespace capsnet::train {
+
+class ProcessGroup;  // distributed.h
 
 struct TrainOptions {
   models::CapsNetConfig model;
@@ -57,8 +60,12 @@ struct TrainResult {
 
 /// Trains a CapsNet on `train_set`, evaluating on `test_set` (may be null) at each epoch end.
 /// Log lines go to `log`; the progress bar to stderr.
+/// With a `group` of W processes (data parallel, docs/distributed.md): every rank draws the same
+/// global batch of batch_size examples and the same shifts, takes its rank_slice of the rows, and
+/// the gradients are averaged so the update equals one process's on the whole batch (up to float
+/// reassociation). Only rank 0 logs, evaluates and writes metrics and checkpoints.
 TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, const data::ImageSet* test_set,
-                  std::ostream& log);
+                  std::ostream& log, std::shared_ptr<ProcessGroup> group = nullptr);
 
 /// Path of the checkpoint / metrics file inside an output directory.
 std::string checkpoint_path(const std::string& out_dir);
