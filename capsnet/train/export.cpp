@@ -44,14 +44,14 @@ std::map<std::string, torch::Tensor> read_tensor_dict(const std::string& path, c
 
 }  // namespace
 
-c10::Dict<std::string, c10::IValue> export_dict(models::CapsNet& model, int64_t step, const ExportOptions& options) {
+c10::impl::GenericDict export_dict(models::CapsNet& model, int64_t step, const ExportOptions& options) {
   if (options.probe < 0)
     throw std::invalid_argument(fmt::format("export: probe must be >= 0, got {}", options.probe));
   std::map<std::string, torch::Tensor> state;
   for (const auto& p : model->named_parameters()) state[p.key()] = p.value();
   for (const auto& b : model->named_buffers()) state[b.key()] = b.value();
 
-  c10::Dict<std::string, c10::IValue> d;
+  c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());  // str -> Any: a mixed Python dict
   d.insert("format", std::string(kWeightsFormat));
   d.insert("version", kWeightsVersion);
   d.insert("config", model->config.to_json().dump());

@@ -42,7 +42,7 @@ struct ExportOptions {
 };
 
 /// The exported dict for `model` (see the layout above). Throws std::invalid_argument for probe < 0.
-c10::Dict<std::string, c10::IValue> export_dict(models::CapsNet& model, int64_t step, const ExportOptions& options);
+c10::impl::GenericDict export_dict(models::CapsNet& model, int64_t step, const ExportOptions& options);
 
 /// Writes export_dict(model, step, options) to `path` atomically (temp file, fsync, rename);
 /// creates missing parent directories. Returns the number of bytes written.
