@@ -12,8 +12,8 @@
 #include "capsnet/models/segcaps.h"
 #include "capsnet/nn/capsule_conv.h"
 #include "capsnet/train/segcaps.h"
-#include "tests/gradcheck.h"
-#include "tests/test_helpers.h"
+#include "gradcheck.h"
+#include "test_helpers.h"
 
 namespace {
 
@@ -22,7 +22,7 @@ using capsnet::nn::CapsuleConv2dOptions;
 using capsnet::nn::CapsuleConvTranspose2d;
 using capsnet::nn::CapsuleConvTranspose2dOptions;
 using capsnet::testutil::ScopedThreads;
-namespace detail = capsnet::nn::detail;
+namespace cdetail = capsnet::nn::detail;
 
 const std::string kCli = CAPSNET_CLI;
 
@@ -63,7 +63,7 @@ void check_layer_against_reference(Layer& layer, const std::vector<int64_t>& inp
   auto routing = layer->routing_options();
   auto geometry = layer->geometry();
   const auto R = torch::randn(layer->forward(u).sizes(), torch::TensorOptions().dtype(dtype));
-  auto ref = run_with_grads([&] { return detail::reference_capsule_conv(u, layer->weight, layer->bias, geometry, routing); },
+  auto ref = run_with_grads([&] { return cdetail::reference_capsule_conv(u, layer->weight, layer->bias, geometry, routing); },
                        u, layer->weight, layer->bias, R);
   for (bool fused : {true, false}) {
     layer->options.fused(fused);
@@ -73,7 +73,7 @@ void check_layer_against_reference(Layer& layer, const std::vector<int64_t>& inp
     EXPECT_TRUE(torch::allclose(fast.du, ref.du, tol, tol)) << (fast.du - ref.du).abs().max();
     EXPECT_TRUE(torch::allclose(fast.dw, ref.dw, tol, tol)) << (fast.dw - ref.dw).abs().max();
     EXPECT_TRUE(torch::allclose(fast.db, ref.db, tol, tol)) << (fast.db - ref.db).abs().max();
-    EXPECT_GT(fast.dw.abs().sum().item<double>(), 0);  // the check compared real gradients
+    EXPECT_GT(fast.dw.abs().sum().template item<double>(), 0);  // the check compared real gradients
   }
 }
 
@@ -143,7 +143,7 @@ TEST(SegCapsConv, ReferencePredictionsMatchAHandComputedValue) {
   // the sum of the 3x3 neighbourhood (a box filter), checked at a corner and in the middle.
   auto u = torch::arange(16, torch::kDouble).view({1, 1, 1, 4, 4});
   auto w = torch::ones({1, 1, 1, 1, 3, 3}, torch::kDouble);
-  auto u_hat = detail::reference_capsule_predictions(u, w, {}, {1, 1, 0, false});
+  auto u_hat = cdetail::reference_capsule_predictions(u, w, {}, {1, 1, 0, false});
   ASSERT_EQ(u_hat.sizes(), (std::vector<int64_t>{1, 1, 1, 1, 4, 4}));
   EXPECT_DOUBLE_EQ(u_hat[0][0][0][0][0][0].item<double>(), 0 + 1 + 4 + 5);
   EXPECT_DOUBLE_EQ(u_hat[0][0][0][0][1][1].item<double>(), 0 + 1 + 2 + 4 + 5 + 6 + 8 + 9 + 10);
@@ -211,8 +211,8 @@ TEST(SegCapsConv, OutputShapes) {
   EXPECT_EQ(shape(CapsuleConvTranspose2d(CapsuleConvTranspose2dOptions(2, 3, 1, 2).kernel_size(3).padding(1).output_padding(1)),
                   V{1, 2, 3, 3, 3}),
             (V{1, 1, 2, 6, 6}));
-  EXPECT_EQ(detail::capsule_conv_output_size(5, 3, {2, 1, 1, true}), 10);
-  EXPECT_EQ(detail::capsule_conv_output_size(9, 5, {2, 2, 0, false}), 5);
+  EXPECT_EQ(cdetail::capsule_conv_output_size(5, 3, {2, 1, 1, true}), 10);
+  EXPECT_EQ(cdetail::capsule_conv_output_size(9, 5, {2, 2, 0, false}), 5);
 }
 
 TEST(SegCapsConv, BadInputAndOptions) {
