@@ -32,6 +32,7 @@ Subcommand add_segcaps(CLI::App& root) {
     DataFlags data;
     uint64_t test_seed = 1001;
     int64_t figure_rows = 8;
+    double max_minutes = 0;
     bool composite_routing = false, no_progress = false;
     int threads = 0;
   };
@@ -73,6 +74,10 @@ Subcommand add_segcaps(CLI::App& root) {
   app->add_option("--stem-channels", f->o.model.stem_channels, "Channels of the conv stem (atoms at full resolution)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
+  app->add_option("--max-minutes", f->max_minutes,
+                  "Wall-clock training budget in minutes (0 = none); the model is evaluated where it stopped")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app->add_option("--log-every", f->o.log_every, "Steps between metrics records")->check(CLI::PositiveNumber)->capture_default_str();
   app->add_option("--figure-rows", f->figure_rows, "Test examples in segcaps.png (0 = no figure)")
       ->check(CLI::Range(int64_t{0}, int64_t{100}))
@@ -88,6 +93,7 @@ Subcommand add_segcaps(CLI::App& root) {
             if (f->threads > 0) set_threads(f->threads);
             auto& o = f->o;
             o.progress = !f->no_progress;
+            o.max_seconds = 60 * f->max_minutes;
             if (f->d.canvas % 4 != 0)
               throw std::invalid_argument(fmt::format("--canvas must be a multiple of 4, got {}", f->d.canvas));
             o.model.image_size = f->d.canvas;
@@ -102,7 +108,8 @@ Subcommand add_segcaps(CLI::App& root) {
             std::cout << fmt::format(
                 "thresholding baseline (input > t): test Dice {:.4f} at t = {:.2f} (tuned on training images), "
                 "{:.4f} at t = 0.50\n",
-                baseline.test_dice_at_best, baseline.best_threshold, baseline.test_dice_at_half);
+                baseline.test_dice_at_best, baseline.best_threshold, baseline.test_dice_at_half)
+                      << std::flush;
 
             o.fused_routing = !f->composite_routing;
             auto result = train::train_segcaps(o, train_set, test_set, std::cout);
@@ -134,6 +141,8 @@ Subcommand add_segcaps(CLI::App& root) {
                 {"train_seed", o.seed},
                 {"test_seed", f->test_seed},
                 {"steps", result.steps},
+                {"steps_requested", o.steps},
+                {"max_minutes", f->max_minutes},
                 {"batch_size", o.batch_size},
                 {"lr", o.lr},
                 {"images_seen", result.steps * o.batch_size},

@@ -24,6 +24,7 @@ void SegCapsTrainOptions::validate() const {
   positive("eval_batch_size", eval_batch_size);
   positive("log_every", log_every);
   if (!(lr > 0)) throw std::invalid_argument(fmt::format("segcaps: lr must be positive, got {}", lr));
+  if (!(max_seconds >= 0)) throw std::invalid_argument(fmt::format("segcaps: max_seconds must be >= 0, got {}", max_seconds));
   if (!(threshold > 0 && threshold < 1))
     throw std::invalid_argument(fmt::format("segcaps: threshold must be in (0, 1), got {}", threshold));
 }
@@ -101,7 +102,7 @@ SegCapsTrainResult train_segcaps(const SegCapsTrainOptions& options, const data:
   const auto t0 = std::chrono::steady_clock::now();
   ProgressBar bar(std::cerr, "segcaps", options.steps, options.progress);
   double window_loss = 0, window_dice = 0;
-  int64_t window = 0;
+  int64_t window = 0, steps_run = 0;
   for (int64_t step = 0; step < options.steps; ++step) {
     auto batch = train_set.generate(step * options.batch_size, options.batch_size);
     auto out = model->forward(batch.images);
@@ -119,7 +120,9 @@ SegCapsTrainResult train_segcaps(const SegCapsTrainOptions& options, const data:
     ++window;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double ips = static_cast<double>((step + 1) * options.batch_size) / std::max(elapsed, 1e-9);
-    if ((step + 1) % options.log_every == 0 || step + 1 == options.steps) {
+    steps_run = step + 1;
+    const bool out_of_time = options.max_seconds > 0 && elapsed > options.max_seconds;
+    if ((step + 1) % options.log_every == 0 || step + 1 == options.steps || out_of_time) {
       const double mean_loss = window_loss / static_cast<double>(window);
       const double mean_dice = window_dice / static_cast<double>(window);
       result.losses.push_back(mean_loss);
@@ -131,20 +134,26 @@ SegCapsTrainResult train_segcaps(const SegCapsTrainOptions& options, const data:
                      {"images_per_second", ips}});
       if (!options.progress)
         log << fmt::format("step {}/{}: loss {:.4f} train Dice {:.3f} ({:.1f} img/s)\n", step + 1, options.steps,
-                           mean_loss, mean_dice, ips);
+                           mean_loss, mean_dice, ips)
+            << std::flush;  // a log file shows progress while the run goes on
       window_loss = window_dice = 0;
       window = 0;
     }
     bar.update(step + 1, fmt::format("loss {:.4f} {:.1f} img/s", loss.item<double>(), ips));
+    if (out_of_time) {
+      log << fmt::format("segcaps: stopping after {} of {} steps: the --max-minutes budget ({:.0f} s) is spent\n",
+                         steps_run, options.steps, options.max_seconds);
+      break;
+    }
   }
-  result.steps = options.steps;
+  result.steps = steps_run;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  result.images_per_second = static_cast<double>(options.steps * options.batch_size) / std::max(result.seconds, 1e-9);
+  result.images_per_second = static_cast<double>(steps_run * options.batch_size) / std::max(result.seconds, 1e-9);
   bar.finish(fmt::format("{:.1f} s, {:.1f} img/s", result.seconds, result.images_per_second));
 
   torch::save(model, options.out_dir + "/model.pt");
   result.test = evaluate_segcaps(model, test_set, 0, options.test_size, options.eval_batch_size, options.threshold);
-  metrics.write({{"step", options.steps},
+  metrics.write({{"step", steps_run},
                  {"split", "test"},
                  {"test_examples", result.test.examples},
                  {"test_dice", result.test.mean_dice},

@@ -27,6 +27,9 @@ struct SegCapsTrainOptions {
   std::string out_dir = "runs/segcaps";
   bool progress = true;
   bool fused_routing = true;  // false: the composite ATen routing path (same math)
+  /// Wall-clock budget for training in seconds (0 = none): training stops after the first step that
+  /// ends past it, and the model is evaluated as it is (result.steps says how many steps ran).
+  double max_seconds = 0;
   /// Throws std::invalid_argument naming the bad field.
   void validate() const;
 };
@@ -56,7 +59,7 @@ ThresholdBaseline threshold_baseline(const data::DigitSegmentation& tune, int64_
 
 struct SegCapsTrainResult {
   models::SegCaps model{nullptr};
-  int64_t steps = 0;
+  int64_t steps = 0;  // steps actually run (fewer than options.steps when max_seconds stopped training)
   double seconds = 0, images_per_second = 0;
   std::vector<double> losses;  // one per log record (mean over the logging window)
   SegmentationEval test;
