@@ -405,6 +405,17 @@ TEST(SegCapsCli, TrainsEvaluatesAndWritesOutputs) {
   int lines = 0;
   for (std::string line; std::getline(metrics, line);) ++lines;
   EXPECT_EQ(lines, 4);  // three training records and the test record
+
+  // A spent --max-minutes budget stops training after the first step and still evaluates.
+  r = capsnet::testing::run_command(kCli + " segcaps --data " + (dir / "data") + " --out " + out +
+                                    " --steps 50 --max-minutes 1e-6 --batch-size 2 --test-size 2 --canvas 28 --types 2"
+                                    " --stem-channels 4 --figure-rows 0 --no-progress --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("stopping after 1 of 50 steps"), std::string::npos) << r.output;
+  std::ifstream in2(out + "/segcaps.json");
+  auto j2 = nlohmann::json::parse(in2);
+  EXPECT_EQ(j2["steps"], 1);
+  EXPECT_EQ(j2["steps_requested"], 50);
 }
 
 TEST(SegCapsCli, BadOptions) {
