@@ -32,7 +32,7 @@ def main():
         out.append(f'<text x="{sx(p):.1f}" y="{h-bottom+14}" text-anchor="middle">{p}</text>')
     for frac in (0, 0.5, 1):
         y = ymax * frac
-        out.append(f'<text x="{left-6}" y="{sy(y)+4:.1f}" text-anchor="end">{y:.0f}</text>')
+        out.append(f'<text x="{left-6}" y="{sy(y)+4:.1f}" text-anchor="end">{y:.1f}</text>')
     out.append(f'<text x="{(left+w-right)/2}" y="{h-6}" text-anchor="middle">processes (1 intra-op thread each)</text>')
     out.append(f'<text x="14" y="{(top+h-bottom)/2}" text-anchor="middle" '
                f'transform="rotate(-90 14 {(top+h-bottom)/2})">training img/s</text>')
@@ -42,7 +42,9 @@ def main():
                " ".join(f"{sx(p):.1f},{sy(t):.1f}" for p, t in points) + '"/>')
     for p, t in points:
         out.append(f'<circle cx="{sx(p):.1f}" cy="{sy(t):.1f}" r="3" fill="#1f77b4"/>')
-        out.append(f'<text x="{sx(p)+6:.1f}" y="{sy(t)-6:.1f}">{t:.1f}</text>')
+        anchor = "end" if p == xmax and xmax > 1 else "start"
+        dx = -6 if anchor == "end" else 6
+        out.append(f'<text x="{sx(p)+dx:.1f}" y="{sy(t)-8:.1f}" text-anchor="{anchor}">{t:.1f} img/s</text>')
     out.append(f'<text x="{w-right}" y="{top+4}" text-anchor="end" fill="#999">dashed: linear scaling</text>')
     out.append("</svg>")
     with open(sys.argv[1], "w") as f:
