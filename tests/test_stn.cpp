@@ -80,8 +80,12 @@ TEST(SpatialTransformerTest, WholeModuleFloat64GradcheckOverAllParameters) {
   stn->to(torch::kDouble);
   {
     // At init loc_fc2 is zero and every earlier gradient vanishes; move away so all are checked.
+    // The bias moves too: at the identity the sampling points sit exactly on pixel centres, where
+    // bilinear interpolation has a kink (one-sided analytic vs averaged numeric derivative), and an
+    // image whose hidden ReLUs are all off gets exactly the bias as its theta.
     torch::NoGradGuard no_grad;
     stn->loc_fc2->weight.normal_(0, 0.05);
+    stn->loc_fc2->bias.add_(torch::randn({6}, torch::kDouble) * 0.05);
   }
   const auto images = torch::randn({2, 2, 8, 8}, torch::kDouble);
   std::vector<torch::Tensor> params;
