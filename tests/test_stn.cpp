@@ -317,6 +317,30 @@ TEST(StnModelTest, CheckpointRestoresTheTransformer) {
   EXPECT_TRUE(torch::allclose(loaded(images).lengths, model(images).lengths));
 }
 
+// A checkpoint written before CapsNetConfig had "stn" stores no such key; it must still load (as stn
+// off), both through load_model and into a model built by hand (found by loading a 1-epoch run).
+TEST(StnModelTest, CheckpointWithoutTheStnKeyStillLoads) {
+  ScopedThreads one(1);
+  testing::TempDir dir;
+  const auto c = testing::tiny_config();
+  torch::manual_seed(13);
+  models::CapsNet model(c);
+  train::CheckpointMeta meta;
+  meta.model_config = c.to_json();
+  ASSERT_EQ(meta.model_config.erase("stn"), 1u);
+  save_checkpoint(dir / "old.pt", model, nullptr, meta);
+  auto loaded = train::load_model(dir / "old.pt");
+  EXPECT_FALSE(loaded->config.stn);
+  models::CapsNet again(c);
+  EXPECT_NO_THROW(train::load_checkpoint(dir / "old.pt", again, nullptr));
+  const auto images = torch::rand({2, 1, 12, 12});
+  loaded->eval();
+  again->eval();
+  model->eval();
+  EXPECT_TRUE(torch::allclose(loaded(images).lengths, model(images).lengths));
+  EXPECT_TRUE(torch::allclose(again(images).lengths, model(images).lengths));
+}
+
 std::string read_all(const std::string& path) {
   std::ifstream in(path);
   std::stringstream s;

@@ -100,7 +100,9 @@ CheckpointMeta read_checkpoint_meta(const std::string& path) {
 CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer) {
   auto archive = open_archive(path);
   auto meta = parse_meta(path, archive);
-  if (meta.model_config != model->config.to_json())
+  // Compared through from_json: a checkpoint written before a config field existed stores no key for
+  // it, which means the field's default (e.g. "stn": false).
+  if (models::CapsNetConfig::from_json(meta.model_config).to_json() != model->config.to_json())
     throw CheckpointError(fmt::format("checkpoint {}: model config {} does not match the model being loaded {}",
                                       path, meta.model_config.dump(), model->config.to_json().dump()));
   try {
