@@ -101,13 +101,13 @@ int run(const Flags& f) {
                           {"train_seconds", t.seconds},
                           {"train_img_s", t.images_per_second},
                           {"paper_test_error_percent", paper_error(r, recon)}};
-      std::ofstream(result_path) << j.dump(2) << '\n';
+      write_text_file(result_path, j.dump(2) + "\n");
       std::cerr << fmt::format("ablation: [{}/{}] {}: test error {:.2f}% ({} steps, {:.0f} s)\n", index, total, name,
                                100 * (1 - t.test->accuracy), t.end_step, t.seconds);
       results.push_back(j);
     }
 
-  std::ofstream(f.out_dir + "/ablation.json") << results.dump(2) << '\n';
+  write_text_file(f.out_dir + "/ablation.json", results.dump(2) + "\n");
   std::string table = "| routing iterations r | reconstruction | epochs | test error (ours) | test error (paper) |\n"
                       "|---:|:---:|---:|---:|---:|\n";
   for (const auto& j : results) {
@@ -116,7 +116,7 @@ int run(const Flags& f) {
                          j.at("reconstruction").get<bool>() ? "yes" : "no", j.at("epochs_seen").get<double>(),
                          100 * j.at("test_error").get<double>(), paper == "–" ? paper : paper + "%");
   }
-  std::ofstream(f.out_dir + "/ablation.md") << table;
+  write_text_file(f.out_dir + "/ablation.md", table);
   std::cout << table << fmt::format("wrote {0}/ablation.json and {0}/ablation.md\n", f.out_dir);
   return 0;
 }

@@ -289,11 +289,7 @@ int run(const Flags& f) {
                           "MNIST test set; not comparable with this generated set or a short budget"}}},
       {"figure", figure_path}};
   const std::string json_path = f.out_dir + "/affine.json";
-  {
-    std::ofstream out(json_path);
-    if (!out) throw std::runtime_error("cannot write " + json_path);
-    out << report.dump(2) << '\n';
-  }
+  write_text_file(json_path, report.dump(2) + "\n");
 
   std::cout << "affine robustness on an affNIST-STYLE test set (generated here; NOT the real affNIST)\n";
   std::cout << fmt::format("{:<8} {:>11} {:>6} {:>8} {:>8} {:>14} {:>18}\n", "model", "parameters", "steps", "images",

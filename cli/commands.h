@@ -32,6 +32,10 @@ Subcommand add_em(CLI::App& root);
 /// Flags shared by the subcommands that compute: --threads.
 void add_threads_flag(CLI::App& app, int& threads);
 
+/// Writes `text` to `path` (replacing it); throws std::runtime_error naming the path when it cannot
+/// be opened or written, so that no command reports a result file it failed to write.
+void write_text_file(const std::string& path, const std::string& text);
+
 /// Which image set a command reads: --dataset mnist|fashion-mnist picks the default directory,
 /// --data DIR overrides it. Both sets are the same four IDX files (plain or .gz).
 struct DataFlags {

@@ -1,10 +1,20 @@
 #include "capsnet/data/mnist.h"
 #include "cli/commands.h"
 
+#include <fstream>
+#include <stdexcept>
+
 namespace capsnet::cli {
 
 void add_threads_flag(CLI::App& app, int& threads) {
   app.add_option("--threads", threads, "Intra-op threads (0 = all cores)")->check(CLI::NonNegativeNumber);
+}
+
+void write_text_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  if (!out) throw std::runtime_error("cannot write " + path);
+  out << text;
+  if (!out.flush()) throw std::runtime_error("could not write " + path);
 }
 
 std::string DataFlags::resolved() const { return dir.empty() ? data::default_data_dir(dataset) : dir; }

@@ -149,9 +149,7 @@ Subcommand add_perturb(CLI::App& root) {
                   figure.size(0), top);
             }
             const auto json_path = (std::filesystem::path(f->out) / "perturb.json").string();
-            std::ofstream json(json_path);
-            json << report.dump(1) << '\n';
-            if (!json.flush()) throw std::runtime_error("could not write " + json_path);
+            write_text_file(json_path, report.dump(1) + "\n");
             std::cout << fmt::format("wrote {} ({} digits, offsets {} .. {})\n", json_path, indices.size(),
                                      options.offsets.front(), options.offsets.back());
             return 0;

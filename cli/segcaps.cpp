@@ -170,9 +170,7 @@ Subcommand add_segcaps(CLI::App& root) {
             }
             summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
             const std::string json_path = o.out_dir + "/segcaps.json";
-            std::ofstream json_out(json_path);
-            json_out << summary.dump(2) << '\n';
-            if (!json_out) throw std::runtime_error("cannot write " + json_path);
+            write_text_file(json_path, summary.dump(2) + "\n");
             std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
             return 0;
           }};

@@ -112,12 +112,6 @@ std::vector<RunSpec> grid(const Flags& f) {
   return specs;
 }
 
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
-  if (!out) throw std::runtime_error("cannot write " + path);
-  out << text;
-}
-
 int run(const Flags& f) {
   if (f.threads > 0) set_threads(f.threads);
   if (f.steps <= 0) throw std::invalid_argument(fmt::format("--steps must be positive, got {}", f.steps));
@@ -220,7 +214,7 @@ int run(const Flags& f) {
       {"paper", {{"note", "Jaderberg et al. report 0.5-0.8% error on RTS MNIST after full training; "
                           "our budget is far smaller and the data is our own generator: not comparable"}}},
       {"figure", figure_path}};
-  write_text(f.out_dir + "/stn.json", report.dump(2) + "\n");
+  write_text_file(f.out_dir + "/stn.json", report.dump(2) + "\n");
 
   std::string table = fmt::format(
       "Distorted MNIST (rotation ±45°, scale 0.7–1.2, translation in 42×42; our generator), {} steps × batch {} "
@@ -247,7 +241,7 @@ int run(const Flags& f) {
   if (!figure_path.empty())
     table += "\n![inputs and STN outputs](stn_transforms.png)\n\nEach block: one STN run; pairs of (test input | "
              "the STN's output).\n";
-  write_text(f.out_dir + "/stn.md", table);
+  write_text_file(f.out_dir + "/stn.md", table);
   std::cout << fmt::format("wrote {0}/stn.json, {0}/stn.md, {0}/metrics.jsonl{1}\n", f.out_dir,
                            figure_path.empty() ? "" : ", " + figure_path);
   return 0;
