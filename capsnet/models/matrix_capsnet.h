@@ -29,8 +29,11 @@ struct MatrixCapsNetConfig {
   int64_t conv2_caps_stride = 1;
   int64_t num_classes = 10;
   int64_t routing_iterations = 3;
-  double lambda_first = 1.0;  // inverse temperature of routing iteration 1 ...
-  double lambda_last = 1.0;   // ... and of the last one (linear in between)
+  // Inverse temperature of routing iteration 1 and of the last one (linear in between). 0.01, not 1:
+  // with 1 the class activations saturated and training collapsed to equal lengths (MNIST 8.5% vs
+  // 46.1% with 0.01 after the same 150 steps of 32; docs/em.md).
+  double lambda_first = 0.01;
+  double lambda_last = 0.01;
   bool normalize_cost = true;  // EmRoutingOptions::normalize_cost (not in the paper; see em_routing.h)
   bool coordinate_addition = true;
 
