@@ -10,6 +10,14 @@ void add_threads_flag(CLI::App& app, int& threads) {
   app.add_option("--threads", threads, "Intra-op threads (0 = all cores)")->check(CLI::NonNegativeNumber);
 }
 
+void add_precision_flag(CLI::App& app, std::string& precision) {
+  app.add_option("--precision", precision,
+                 "Compute precision of the convolutions and decoder: fp32, bf16 (AVX512_BF16/AMX CPUs; fp32 "
+                 "weights, fp32 routing and losses) or auto (bf16 where the CPU has it)")
+      ->check(CLI::IsMember({"fp32", "bf16", "auto"}))
+      ->capture_default_str();
+}
+
 void write_text_file(const std::string& path, const std::string& text) {
   std::ofstream out(path);
   if (!out) throw std::runtime_error("cannot write " + path);

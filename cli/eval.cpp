@@ -14,14 +14,15 @@ namespace capsnet::cli {
 Subcommand add_eval(CLI::App& root) {
   struct Flags {
     DataFlags data;
-    std::string checkpoint = "runs/mnist/checkpoint.pt", split = "test";
+    std::string checkpoint, split = "test";
     int64_t limit = 0, batch_size = 250;
     bool json = false, no_progress = false;
     int threads = 0;
+    std::string precision = "fp32";
   };
   auto f = std::make_shared<Flags>();
   auto* app = root.add_subcommand("eval", "Accuracy and confusion matrix of a checkpoint on MNIST");
-  app->add_option("--checkpoint", f->checkpoint, "Checkpoint to evaluate")->capture_default_str();
+  app->add_option("--checkpoint", f->checkpoint, "Checkpoint to evaluate (default: the shipped MNIST model, " + std::string(kShippedModel) + ")");
   add_data_flags(*app, f->data);
   app->add_option("--split", f->split, "test or train")
       ->check(CLI::IsMember({"test", "train"}))
@@ -31,10 +32,13 @@ Subcommand add_eval(CLI::App& root) {
   app->add_flag("--json", f->json, "Print the result as one JSON object");
   app->add_flag("--no-progress", f->no_progress, "No progress bar");
   add_threads_flag(*app, f->threads);
+  add_precision_flag(*app, f->precision);
 
   return {app, [f]() {
+            f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             if (f->threads > 0) set_threads(f->threads);
             auto model = train::load_model(f->checkpoint);
+            model->set_precision(nn::parse_precision(f->precision));
             auto split = f->split == "train" ? data::Split::kTrain : data::Split::kTest;
             auto set = data::take(data::load_mnist(f->data.resolved(), split), f->limit);
             auto r = train::evaluate(model, set, f->batch_size, f->no_progress || f->json ? nullptr : &std::cerr);

@@ -16,6 +16,14 @@
 
 namespace {
 constexpr int kExitError = 1;
+
+// The message without the backtrace or the "Exception raised from" trailer LibTorch appends.
+std::string first_line(std::string what) {
+  for (const char* marker : {"\nException raised from", "\nframe #"})
+    if (auto pos = what.find(marker); pos != std::string::npos) what.resize(pos);
+  while (!what.empty() && (what.back() == '\n' || what.back() == ' ')) what.pop_back();
+  return what;
+}
 constexpr int kExitDiverged = 3;
 }  // namespace
 
@@ -31,6 +39,11 @@ int main(int argc, char** argv) {
       capsnet::cli::add_affine(app),     capsnet::cli::add_ablation(app), capsnet::cli::add_bench(app),
       capsnet::cli::add_report(app),     capsnet::cli::add_export(app),   capsnet::cli::add_serve(app),
       capsnet::cli::add_segcaps(app),    capsnet::cli::add_stn(app),      capsnet::cli::add_em(app)};
+
+  capsnet::cli::apply_numeric_limits(app);
+  bool verbose = false;
+  app.add_flag("--verbose", verbose, "On errors, print LibTorch's full message and backtrace");
+  for (auto* sub : app.get_subcommands({})) sub->fallthrough();  // --verbose may also follow the command name
 
   std::string help_topic;
   auto* help = app.add_subcommand("help", "Show help for capsnet or one of its commands");
@@ -73,11 +86,17 @@ int main(int argc, char** argv) {
   } catch (const capsnet::train::TrainingDiverged& e) {
     std::cerr << "\ncapsnet: training diverged: " << e.what() << '\n';
     return kExitDiverged;
+  } catch (const c10::Error& e) {
+    // LibTorch errors carry a C++ backtrace: one line by default, everything with --verbose.
+    std::cerr << "\ncapsnet: error: " << (verbose ? std::string(e.what()) : first_line(e.what_without_backtrace()))
+              << '\n';
+    return kExitError;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "\ncapsnet: error: out of memory (try a smaller --batch-size, or fewer --threads / --nproc)\n";
+    return kExitError;
   } catch (const std::exception& e) {
     // IdxError, CheckpointError, PngError, invalid options, I/O: one clear line, no stack trace.
-    std::string what = e.what();
-    if (auto pos = what.find("\nException raised from"); pos != std::string::npos) what.resize(pos);
-    std::cerr << "\ncapsnet: error: " << what << '\n';
+    std::cerr << "\ncapsnet: error: " << (verbose ? std::string(e.what()) : first_line(e.what())) << '\n';
     return kExitError;
   }
   return kExitError;

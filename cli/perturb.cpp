@@ -62,7 +62,7 @@ std::vector<int64_t> first_correct_per_class(models::CapsNet& model, const data:
 Subcommand add_perturb(CLI::App& root) {
   struct Flags {
     DataFlags data;
-    std::string checkpoint = "runs/mnist/checkpoint.pt", out = "runs/perturb";
+    std::string checkpoint, out = "runs/perturb";
     std::vector<int64_t> indices;
     bool use_label = false;
     double max_offset = 0.25;
@@ -74,7 +74,7 @@ Subcommand add_perturb(CLI::App& root) {
       "perturb",
       "What capsule dimensions encode (paper Fig. 4): decode a digit's capsule with each dimension moved by "
       "-0.25..+0.25, one 16x11 PNG per digit");
-  app->add_option("--checkpoint", f->checkpoint, "Trained checkpoint (with a decoder)")->capture_default_str();
+  app->add_option("--checkpoint", f->checkpoint, "Trained checkpoint (with a decoder) (default: the shipped MNIST model, " + std::string(kShippedModel) + ")");
   add_data_flags(*app, f->data);
   app->add_option("--out", f->out, "Output directory (perturb_<index>_class<k>.png, perturb.json)")
       ->capture_default_str();
@@ -90,6 +90,7 @@ Subcommand add_perturb(CLI::App& root) {
   add_threads_flag(*app, f->threads);
 
   return {app, [f]() {
+            f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             if (f->threads > 0) set_threads(f->threads);
             auto model = train::load_model(f->checkpoint);
             if (!model->config.reconstruction)

@@ -43,7 +43,7 @@ torch::Tensor load_png_digit(const std::string& path, const std::string& invert,
 
 Subcommand add_predict(CLI::App& root) {
   struct Flags {
-    std::string checkpoint = "runs/mnist/checkpoint.pt", invert = "auto";
+    std::string checkpoint, invert = "auto";
     std::vector<std::string> inputs;
     int64_t limit = 20;
     bool json = false;
@@ -54,7 +54,7 @@ Subcommand add_predict(CLI::App& root) {
   app->add_option("inputs", f->inputs, "PNG files and/or IDX image files ([N, 28, 28] uint8)")
       ->required()
       ->check(CLI::ExistingFile);
-  app->add_option("--checkpoint", f->checkpoint, "Trained checkpoint")->capture_default_str();
+  app->add_option("--checkpoint", f->checkpoint, "Trained checkpoint (default: the shipped MNIST model, " + std::string(kShippedModel) + ")");
   app->add_option("--limit", f->limit, "At most N images from each IDX file (0 = all)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
@@ -65,6 +65,7 @@ Subcommand add_predict(CLI::App& root) {
   add_threads_flag(*app, f->threads);
 
   return {app, [f]() {
+            f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             if (f->threads > 0) set_threads(f->threads);
             auto model = train::load_model(f->checkpoint);
             const int64_t side = model->config.image_size;

@@ -16,14 +16,14 @@ namespace capsnet::cli {
 Subcommand add_reconstruct(CLI::App& root) {
   struct Flags {
     DataFlags data;
-    std::string checkpoint = "runs/mnist/checkpoint.pt", out = "runs/mnist/reconstructions.png";
+    std::string checkpoint, out = "runs/mnist/reconstructions.png";
     int64_t correct = 12, wrong = 6;
     int threads = 0;
   };
   auto f = std::make_shared<Flags>();
   auto* app = root.add_subcommand(
       "reconstruct", "Figure of (label, prediction, reconstructed-from) panels: test digits and their reconstructions");
-  app->add_option("--checkpoint", f->checkpoint, "Trained checkpoint (with a decoder)")->capture_default_str();
+  app->add_option("--checkpoint", f->checkpoint, "Trained checkpoint (with a decoder) (default: the shipped MNIST model, " + std::string(kShippedModel) + ")");
   add_data_flags(*app, f->data);
   app->add_option("--out", f->out, "PNG to write")->capture_default_str();
   app->add_option("--correct", f->correct, "Correctly classified digits to show")
@@ -35,6 +35,8 @@ Subcommand add_reconstruct(CLI::App& root) {
   add_threads_flag(*app, f->threads);
 
   return {app, [f]() {
+            f->checkpoint = checkpoint_or_shipped(f->checkpoint);
+            check_not_an_input(f->out, {f->checkpoint});
             if (f->threads > 0) set_threads(f->threads);
             if (f->correct + f->wrong == 0) throw std::invalid_argument("nothing to show: --correct and --wrong are 0");
             auto model = train::load_model(f->checkpoint);

@@ -17,14 +17,14 @@ namespace capsnet::cli {
 
 Subcommand add_serve(CLI::App& root) {
   struct Flags {
-    std::string checkpoint = "runs/mnist/checkpoint.pt";
+    std::string checkpoint;
     viz::ServeOptions serve;
     int threads = 1;
   };
   auto f = std::make_shared<Flags>();
   auto* app = root.add_subcommand(
       "serve", "Local web viewer: draw a digit, see capsule lengths, tweak the pose, follow training");
-  app->add_option("--checkpoint", f->checkpoint, "Trained checkpoint (with a decoder)")->capture_default_str();
+  app->add_option("--checkpoint", f->checkpoint, "Trained checkpoint (with a decoder) (default: the shipped MNIST model, " + std::string(kShippedModel) + ")");
   app->add_option("--host", f->serve.host,
                   "Address to bind (127.0.0.1: this machine only; 0.0.0.0 exposes the model to the network)")
       ->capture_default_str();
@@ -41,6 +41,7 @@ Subcommand add_serve(CLI::App& root) {
       ->capture_default_str();
 
   return {app, [f]() {
+            f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             set_threads(f->threads);
             auto model = train::load_model(f->checkpoint);
             if (!model->config.reconstruction)

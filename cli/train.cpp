@@ -19,7 +19,7 @@ Subcommand add_train(CLI::App& root) {
     DataFlags data;
     int64_t train_limit = 0, test_limit = 0;
     bool no_reconstruction = false, stop_routing_grad = false, no_eval = false, no_progress = false,
-         composite_routing = false;
+         composite_routing = false, overwrite = false;
     int threads = 0;
     int nproc = 1;              // data-parallel processes started by this command (docs/distributed.md)
     double dist_timeout = 300;  // seconds a rank waits for its peers
@@ -43,6 +43,7 @@ Subcommand add_train(CLI::App& root) {
                 "Treat coupling coefficients c_ij as constants in backprop (default: full gradient)");
   app->add_flag("--composite-routing", f->composite_routing,
                 "Route with plain tensor ops instead of the fused operator (same math; slower, more memory)");
+  add_precision_flag(*app, f->o.precision);
   app->add_flag("--no-reconstruction", f->no_reconstruction, "No decoder and no reconstruction loss");
   app->add_flag("--stn", f->o.model.stn, "Spatial transformer in front of the CapsNet (identity at init)");
   app->add_option("--max-shift", f->o.max_shift, "Random shift augmentation, pixels")
@@ -60,6 +61,7 @@ Subcommand add_train(CLI::App& root) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app->add_option("--resume", f->o.resume, "Continue exactly from this checkpoint")->check(CLI::ExistingFile);
+  add_overwrite_flag(*app, f->overwrite);
   app->add_flag("--no-eval", f->no_eval, "Skip the test-set evaluation at epoch ends");
   app->add_flag("--no-progress", f->no_progress, "No progress bar");
   add_threads_flag(*app, f->threads);
@@ -81,6 +83,8 @@ Subcommand add_train(CLI::App& root) {
             f->o.progress = !f->no_progress;
             f->o.validate();  // before loading 50 MB of data
             const auto env = train::distributed_env_from_environment();
+            // Ranks started by a launcher skip the check: rank 0 may already have begun writing.
+            if (!env.active()) check_run_dir(f->o.out_dir, !f->o.resume.empty(), f->overwrite, /*can_resume=*/true);
             if (f->nproc > 1) {
               if (env.active())
                 throw std::invalid_argument(fmt::format(

@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <stdexcept>
+#include <utility>
 
 namespace capsnet::models {
 
@@ -33,7 +35,27 @@ void CapsNetConfig::validate() const {
     throw std::invalid_argument(fmt::format(
         "model config: image_size {} is too small for conv1_kernel {} followed by primary_kernel {}", image_size,
         conv1_kernel, primary_kernel));
-  if (reconstruction_scale < 0) throw std::invalid_argument("model config: reconstruction_scale must be >= 0");
+  if (!(reconstruction_scale >= 0) || !std::isfinite(reconstruction_scale))
+    throw std::invalid_argument("model config: reconstruction_scale must be a finite number >= 0");
+  // A crafted config must fail here with a sentence, not in an allocation of terabytes.
+  constexpr int64_t kMaxDim = 1 << 16;
+  for (auto [name, value] : {std::pair<const char*, int64_t>{"image_size", image_size}, {"image_channels", image_channels},
+                             {"conv1_channels", conv1_channels}, {"conv1_kernel", conv1_kernel},
+                             {"primary_types", primary_types}, {"primary_dim", primary_dim},
+                             {"primary_kernel", primary_kernel}, {"primary_stride", primary_stride},
+                             {"num_classes", num_classes}, {"digit_dim", digit_dim},
+                             {"routing_iterations", routing_iterations}})
+    if (value > kMaxDim)
+      throw std::invalid_argument(fmt::format("model config: {} is {}, more than the supported {}", name, value, kMaxDim));
+  const double grid = static_cast<double>(primary_grid());
+  const double params = double(image_channels) * conv1_channels * conv1_kernel * conv1_kernel +
+                        double(conv1_channels) * primary_types * primary_dim * primary_kernel * primary_kernel +
+                        double(primary_types) * grid * grid * num_classes * digit_dim * primary_dim +
+                        (reconstruction ? double(num_classes) * digit_dim * 512 + 512.0 * 1024 +
+                                              1024.0 * image_channels * image_size * image_size
+                                        : 0.0);
+  if (params > 2e9)
+    throw std::invalid_argument(fmt::format("model config: {:.3g} parameters, more than the supported 2e9", params));
 }
 
 nlohmann::json CapsNetConfig::to_json() const {
@@ -114,7 +136,8 @@ CapsNetOutput CapsNetImpl::forward(const torch::Tensor& images, const std::optio
   CapsNetOutput out;
   // The decoder still reconstructs (and the loss compares with) the untransformed input.
   const auto x = stn ? stn(images) : images;      // [B, C, S, S]
-  auto u = primary_caps(torch::relu(conv1(x)));  // [B, I, 8]
+  // conv1 -> ReLU -> PrimaryCaps conv run in the compute precision; u is fp32.
+  auto u = primary_caps(torch::relu(nn::conv2d_at(conv1, x, precision_)), precision_);  // [B, I, 8]
   out.digit_caps = digit_caps(u);                      // [B, K, 16]
   out.lengths = capsule_length(out.digit_caps);        // [B, K]
   if (decoder) {
@@ -126,7 +149,7 @@ CapsNetOutput CapsNetImpl::forward(const torch::Tensor& images, const std::optio
 
 torch::Tensor CapsNetImpl::decode(const torch::Tensor& v, const torch::Tensor& which) {
   TORCH_CHECK(decoder, "CapsNet: this model has no decoder (reconstruction disabled)");
-  return decoder(mask(v, which));
+  return decoder(mask(v, which), precision_);
 }
 
 CapsNetLoss CapsNetImpl::loss(const CapsNetOutput& out, const torch::Tensor& images,

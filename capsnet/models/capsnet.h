@@ -67,6 +67,9 @@ class CapsNetImpl : public torch::nn::Cloneable<CapsNetImpl> {
   torch::Tensor decode(const torch::Tensor& v, const torch::Tensor& which);
   /// Routes with the fused operator (default) or the composite reference-style path; same math.
   void set_fused_routing(bool fused) { digit_caps->options.fused(fused); }
+  /// Precision of the convolutions and the decoder (runtime only: weights and checkpoints stay fp32).
+  void set_precision(nn::Precision precision) { precision_ = precision; }
+  nn::Precision precision() const { return precision_; }
   /// margin loss + reconstruction_scale * SSE (paper Sec. 4.1).
   CapsNetLoss loss(const CapsNetOutput& out, const torch::Tensor& images, const torch::Tensor& labels) const;
 
@@ -76,6 +79,9 @@ class CapsNetImpl : public torch::nn::Cloneable<CapsNetImpl> {
   nn::CapsuleLinear digit_caps{nullptr};
   nn::Decoder decoder{nullptr};
   nn::SpatialTransformer stn{nullptr};  // only with config.stn
+
+ private:
+  nn::Precision precision_ = nn::Precision::kFloat32;
 };
 TORCH_MODULE(CapsNet);
 

@@ -10,8 +10,10 @@ void DecoderImpl::reset() {
   fc3 = register_module("fc3", torch::nn::Linear(options.hidden2(), options.out_features()));
 }
 
-torch::Tensor DecoderImpl::forward(const torch::Tensor& masked) {
-  return torch::sigmoid(fc3(torch::relu(fc2(torch::relu(fc1(masked))))));
+torch::Tensor DecoderImpl::forward(const torch::Tensor& masked, Precision precision) {
+  auto h = torch::relu(linear_at(fc1, masked, precision));  // [B, hidden1]
+  h = torch::relu(linear_at(fc2, h, precision));            // [B, hidden2]
+  return torch::sigmoid(linear_at(fc3, h, precision).to(torch::kFloat32));  // [B, out] fp32
 }
 
 }  // namespace capsnet::nn

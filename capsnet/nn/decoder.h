@@ -1,6 +1,8 @@
 #pragma once
 #include <torch/torch.h>
 
+#include "capsnet/nn/precision.h"
+
 namespace capsnet::nn {
 
 struct DecoderOptions {
@@ -17,7 +19,7 @@ class DecoderImpl : public torch::nn::Cloneable<DecoderImpl> {
  public:
   explicit DecoderImpl(const DecoderOptions& options);
   void reset() override;
-  torch::Tensor forward(const torch::Tensor& masked);
+  torch::Tensor forward(const torch::Tensor& masked, Precision precision = Precision::kFloat32);
 
   DecoderOptions options;
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};

@@ -1,6 +1,8 @@
 #pragma once
 #include <torch/torch.h>
 
+#include "capsnet/nn/precision.h"
+
 namespace capsnet::nn {
 
 struct PrimaryCapsOptions {
@@ -20,7 +22,7 @@ class PrimaryCapsImpl : public torch::nn::Cloneable<PrimaryCapsImpl> {
  public:
   explicit PrimaryCapsImpl(const PrimaryCapsOptions& options);
   void reset() override;
-  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor forward(const torch::Tensor& x, Precision precision = Precision::kFloat32);
 
   PrimaryCapsOptions options;
   torch::nn::Conv2d conv{nullptr};

@@ -4,14 +4,22 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <zlib.h>
+
+#include <cerrno>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
+
+#include "capsnet/train/export.h"
 
 namespace capsnet::train {
 namespace {
 
 constexpr const char* kFormat = "capsnet-checkpoint";
-constexpr int64_t kVersion = 1;
+constexpr int64_t kVersion = 2;  // 2: CRC-checked payload; 1 (no checksum) still loads
 
 void fsync_path(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY);
@@ -33,23 +41,138 @@ torch::serialize::InputArchive open_archive(const std::string& path) {
   return archive;
 }
 
-CheckpointMeta parse_meta(const std::string& path, torch::serialize::InputArchive& archive) {
+std::vector<char> to_bytes(torch::serialize::OutputArchive& archive) {
+  std::vector<char> bytes;
+  archive.save_to([&bytes](const void* data, size_t n) -> size_t {
+    bytes.insert(bytes.end(), static_cast<const char*>(data), static_cast<const char*>(data) + n);
+    return n;
+  });
+  return bytes;
+}
+
+int64_t crc32_of(const void* data, size_t n) {
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  const auto* p = static_cast<const Bytef*>(data);
+  while (n > 0) {  // zlib's length is a uInt: feed at most 1 GiB at a time
+    const auto chunk = static_cast<uInt>(std::min<size_t>(n, size_t{1} << 30));
+    crc = ::crc32(crc, p, chunk);
+    p += chunk;
+    n -= chunk;
+  }
+  return static_cast<int64_t>(crc);
+}
+
+// Temp files of writers that died (kill -9, power loss) before their rename: "<name>.tmp.<pid>"
+// whose process is gone. Removed before each save so they never pile up.
+void remove_orphaned_temps(const std::filesystem::path& path) {
+  const auto dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+  const std::string prefix = path.filename().string() + ".tmp.";
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const auto name = e.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const auto pid_text = name.substr(prefix.size());
+    if (pid_text.empty() || pid_text.find_first_not_of("0123456789") != std::string::npos) continue;
+    const long pid = std::strtol(pid_text.c_str(), nullptr, 10);
+    if (pid == ::getpid() || (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH)) continue;
+    std::filesystem::remove(e.path(), ec);
+  }
+}
+
+// temp file, write, fsync, rename: readers see the old or the new file, never a partial one. A
+// failed write (full disk, I/O error) removes the temp file and throws CheckpointError.
+void write_file_atomically(const std::string& path, const std::vector<char>& bytes) {
+  const auto parent = std::filesystem::path(path).parent_path();
+  std::error_code ec;
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  if (ec) throw CheckpointError(fmt::format("checkpoint {}: cannot create directory {}: {}", path, parent.string(),
+                                            ec.message()));
+  remove_orphaned_temps(path);
+  const std::string tmp = fmt::format("{}.tmp.{}", path, ::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw CheckpointError(fmt::format("checkpoint {}: cannot create {}: {}", path, tmp, std::strerror(errno)));
+  size_t done = 0;
+  int error = 0;
+  while (done < bytes.size()) {
+    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      error = w < 0 ? errno : ENOSPC;
+      break;
+    }
+    done += static_cast<size_t>(w);
+  }
+  if (!error && ::fsync(fd) != 0) error = errno;
+  if (::close(fd) != 0 && !error) error = errno;
+  if (error) {
+    ::unlink(tmp.c_str());
+    throw CheckpointError(fmt::format("checkpoint {}: write failed after {} of {} bytes: {} (the previous checkpoint, "
+                                      "if any, is unchanged)",
+                                      path, done, bytes.size(), std::strerror(error)));
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    ::unlink(tmp.c_str());
+    throw CheckpointError(fmt::format("checkpoint {}: rename failed: {}", path, ec.message()));
+  }
+  fsync_path(parent.empty() ? "." : parent.string());
+}
+
+struct ParsedMeta {
+  CheckpointMeta meta;
+  int64_t version = 1;
+  int64_t payload_crc32 = -1, payload_bytes = -1;  // version 2
+};
+
+ParsedMeta parse_meta(const std::string& path, torch::serialize::InputArchive& archive) {
   c10::IValue value;
   if (!archive.try_read("meta", value) || !value.isString())
     throw CheckpointError(fmt::format("checkpoint {}: no capsnet metadata (not a capsnet checkpoint?)", path));
   try {
     auto j = nlohmann::json::parse(value.toStringRef());
-    if (j.value("format", "") != kFormat)
+    if (!j.is_object() || !j.contains("format") || j["format"] != kFormat)
       throw CheckpointError(fmt::format("checkpoint {}: not a capsnet checkpoint", path));
-    if (j.value("version", int64_t{0}) != kVersion)
-      throw CheckpointError(fmt::format("checkpoint {}: unsupported version {}", path, j.value("version", 0)));
-    CheckpointMeta meta;
-    meta.step = j.at("step").get<int64_t>();
-    meta.model_config = j.at("model");
-    meta.train_options = j.value("train", nlohmann::json::object());
-    return meta;
+    ParsedMeta p;
+    p.version = j.value("version", int64_t{0});
+    if (p.version != 1 && p.version != kVersion)
+      throw CheckpointError(fmt::format("checkpoint {}: unsupported version {}", path, j["version"].dump()));
+    p.meta.step = j.at("step").get<int64_t>();
+    if (p.meta.step < 0) throw CheckpointError(fmt::format("checkpoint {}: negative step {}", path, p.meta.step));
+    p.meta.model_config = j.at("model");
+    p.meta.train_options = j.value("train", nlohmann::json::object());
+    if (p.version >= 2) {
+      p.payload_crc32 = j.at("payload_crc32").get<int64_t>();
+      p.payload_bytes = j.at("payload_bytes").get<int64_t>();
+    }
+    return p;
   } catch (const nlohmann::json::exception& e) {
     throw CheckpointError(fmt::format("checkpoint {}: malformed metadata: {}", path, e.what()));
+  }
+}
+
+// Version 2: the model, optimizer and generator live in a payload archive whose CRC-32 is in the
+// meta. Any flipped byte in it is reported as corruption instead of loading different weights.
+void open_payload(const std::string& path, torch::serialize::InputArchive& outer, const ParsedMeta& p,
+                  torch::serialize::InputArchive& payload) {
+  torch::Tensor bytes;
+  try {
+    if (!outer.try_read("payload", bytes)) throw CheckpointError(fmt::format("checkpoint {}: no payload", path));
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw CheckpointError(fmt::format("checkpoint {}: corrupt (payload unreadable)", path));
+  }
+  if (bytes.scalar_type() != torch::kUInt8 || bytes.dim() != 1 || bytes.numel() != p.payload_bytes)
+    throw CheckpointError(fmt::format("checkpoint {}: corrupt (payload has the wrong size)", path));
+  bytes = bytes.contiguous();
+  if (crc32_of(bytes.data_ptr(), static_cast<size_t>(bytes.numel())) != p.payload_crc32)
+    throw CheckpointError(fmt::format("checkpoint {}: corrupt (checksum mismatch: the file was damaged after it was "
+                                      "written)",
+                                      path));
+  try {
+    payload.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
+  } catch (const std::exception& e) {
+    throw CheckpointError(fmt::format("checkpoint {}: corrupt (payload cannot be read)", path));
   }
 }
 
@@ -57,52 +180,63 @@ CheckpointMeta parse_meta(const std::string& path, torch::serialize::InputArchiv
 
 void save_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer,
                      const CheckpointMeta& meta) {
-  torch::serialize::OutputArchive archive;
   nlohmann::json j = {{"format", kFormat},
                       {"version", kVersion},
                       {"step", meta.step},
                       {"model", meta.model_config},
                       {"train", meta.train_options}};
-  archive.write("meta", c10::IValue(j.dump()));
+  // The payload (model, optimizer, generator) is serialised to memory first: LibTorch's zip writer
+  // throws from its destructor when the disk fills (std::terminate), so it never touches the file.
+  torch::serialize::OutputArchive payload;
+  payload.write("meta", c10::IValue(j.dump()));
   torch::serialize::OutputArchive model_archive;
   model->save(model_archive);
-  archive.write("model", model_archive);
+  payload.write("model", model_archive);
   if (optimizer) {
     torch::serialize::OutputArchive optimizer_archive;
     optimizer->save(optimizer_archive);
-    archive.write("optimizer", optimizer_archive);
+    payload.write("optimizer", optimizer_archive);
   }
   {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    archive.write("rng_cpu", gen.get_state());
+    payload.write("rng_cpu", gen.get_state());
   }
+  auto payload_bytes = to_bytes(payload);
 
-  const auto parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty()) std::filesystem::create_directories(parent);
-  const std::string tmp = fmt::format("{}.tmp.{}", path, ::getpid());
-  try {
-    archive.save_to(tmp);
-  } catch (const std::exception& e) {
-    std::remove(tmp.c_str());
-    throw CheckpointError(fmt::format("checkpoint {}: write failed: {}", path, e.what()));
-  }
-  fsync_path(tmp);
-  std::filesystem::rename(tmp, path);  // atomic on POSIX: readers see the old or the new file
-  fsync_path(parent.empty() ? "." : parent.string());
+  // Outer archive: the meta (with the payload's CRC-32, checked on every load) and the payload bytes.
+  j["payload_crc32"] = crc32_of(payload_bytes.data(), payload_bytes.size());
+  j["payload_bytes"] = static_cast<int64_t>(payload_bytes.size());
+  torch::serialize::OutputArchive outer;
+  outer.write("meta", c10::IValue(j.dump()));
+  outer.write("payload", torch::from_blob(payload_bytes.data(), {static_cast<int64_t>(payload_bytes.size())},
+                                          torch::kUInt8));
+  const auto bytes = to_bytes(outer);
+  payload_bytes = {};
+  write_file_atomically(path, bytes);
 }
 
 CheckpointMeta read_checkpoint_meta(const std::string& path) {
   auto archive = open_archive(path);
-  return parse_meta(path, archive);
+  return parse_meta(path, archive).meta;
 }
 
 CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer) {
-  auto archive = open_archive(path);
-  auto meta = parse_meta(path, archive);
+  auto outer = open_archive(path);
+  const auto parsed = parse_meta(path, outer);
+  const auto& meta = parsed.meta;
+  torch::serialize::InputArchive payload;
+  if (parsed.version >= 2) open_payload(path, outer, parsed, payload);
+  auto& archive = parsed.version >= 2 ? payload : outer;
   // Compared through from_json: a checkpoint written before a config field existed stores no key for
   // it, which means the field's default (e.g. "stn": false).
-  if (models::CapsNetConfig::from_json(meta.model_config).to_json() != model->config.to_json())
+  nlohmann::json saved_config;
+  try {
+    saved_config = models::CapsNetConfig::from_json(meta.model_config).to_json();
+  } catch (const std::exception& e) {
+    throw CheckpointError(fmt::format("checkpoint {}: bad model config: {}", path, e.what()));
+  }
+  if (saved_config != model->config.to_json())
     throw CheckpointError(fmt::format("checkpoint {}: model config {} does not match the model being loaded {}",
                                       path, meta.model_config.dump(), model->config.to_json().dump()));
   try {
@@ -131,6 +265,8 @@ CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, 
 }
 
 models::CapsNet load_model(const std::string& path) {
+  // A shipped / exported weight file (weights and config only) serves wherever a model is needed.
+  if (is_weights_file(path)) return load_model_from_weights(path);
   auto meta = read_checkpoint_meta(path);
   models::CapsNetConfig config;
   try {

@@ -36,6 +36,7 @@ CheckpointMeta read_checkpoint_meta(const std::string& path);
 CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer);
 
 /// Builds the model described by the checkpoint and loads its weights (for eval / predict).
+/// Also accepts a weight file written by save_weights (export.h), e.g. the shipped model.
 models::CapsNet load_model(const std::string& path);
 
 }  // namespace capsnet::train

@@ -42,14 +42,47 @@ std::map<std::string, torch::Tensor> read_tensor_dict(const std::string& path, c
   return out;
 }
 
+torch::ScalarType storage_dtype(WeightStorage storage) {
+  switch (storage) {
+    case WeightStorage::kFloat16: return torch::kFloat16;
+    case WeightStorage::kBFloat16: return torch::kBFloat16;
+    default: return torch::kFloat32;
+  }
+}
+
 }  // namespace
+
+WeightStorage parse_weight_storage(const std::string& name) {
+  if (name == "fp32") return WeightStorage::kFloat32;
+  if (name == "fp16") return WeightStorage::kFloat16;
+  if (name == "bf16") return WeightStorage::kBFloat16;
+  throw std::invalid_argument(fmt::format("export: storage must be fp32, fp16 or bf16, got '{}'", name));
+}
+
+std::string weight_storage_name(WeightStorage storage) {
+  switch (storage) {
+    case WeightStorage::kFloat16: return "fp16";
+    case WeightStorage::kBFloat16: return "bf16";
+    default: return "fp32";
+  }
+}
 
 c10::impl::GenericDict export_dict(models::CapsNet& model, int64_t step, const ExportOptions& options) {
   if (options.probe < 0)
     throw std::invalid_argument(fmt::format("export: probe must be >= 0, got {}", options.probe));
+  const auto dtype = storage_dtype(options.storage);
   std::map<std::string, torch::Tensor> state;
-  for (const auto& p : model->named_parameters()) state[p.key()] = p.value();
-  for (const auto& b : model->named_buffers()) state[b.key()] = b.value();
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : model->named_parameters()) {
+      // Round the live weights to the stored type, so the probe below (and any later use of this
+      // model) computes exactly what a loader of the file will.
+      if (dtype != torch::kFloat32 && p.value().is_floating_point()) p.value().copy_(p.value().to(dtype));
+      state[p.key()] = p.value().is_floating_point() ? p.value().to(dtype) : p.value();
+    }
+    for (const auto& b : model->named_buffers())
+      state[b.key()] = b.value().is_floating_point() ? b.value().to(dtype) : b.value();
+  }
 
   c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());  // str -> Any: a mixed Python dict
   d.insert("format", std::string(kWeightsFormat));
@@ -57,6 +90,8 @@ c10::impl::GenericDict export_dict(models::CapsNet& model, int64_t step, const E
   d.insert("config", model->config.to_json().dump());
   d.insert("step", step);
   d.insert("state_dict", tensor_dict(state));
+  d.insert("storage", weight_storage_name(options.storage));
+  if (!options.card.is_null()) d.insert("card", options.card.dump());
 
   if (options.probe > 0) {
     const auto& c = model->config;
@@ -112,13 +147,15 @@ ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::s
   if (options.probe < 0)
     throw std::invalid_argument(fmt::format("export: --probe must be >= 0, got {}", options.probe));
 
-  auto meta = read_checkpoint_meta(checkpoint_path);
+  // A weight file (e.g. the shipped model) re-exports too: to another storage type, or with a probe.
+  const bool weights_in = is_weights_file(checkpoint_path);
+  const int64_t step = weights_in ? read_weights(checkpoint_path).step : read_checkpoint_meta(checkpoint_path).step;
   auto model = load_model(checkpoint_path);
   ExportSummary s;
-  s.step = meta.step;
+  s.step = step;
   s.tensors = static_cast<int64_t>(model->named_parameters().size() + model->named_buffers().size());
   s.parameters = models::count_parameters(*model);
-  s.bytes = save_weights(out_path, model, meta.step, options);
+  s.bytes = save_weights(out_path, model, step, options);
   return s;
 }
 
@@ -158,7 +195,59 @@ ExportedWeights read_weights(const std::string& path) {
   w.step = step.toInt();
   w.state_dict = read_tensor_dict(path, "state_dict", get("state_dict"));
   if (d.contains(c10::IValue(std::string("probe")))) w.probe = read_tensor_dict(path, "probe", get("probe"));
+  if (d.contains(c10::IValue(std::string("card")))) {
+    auto card = get("card");
+    if (!card.isString()) throw ExportError(fmt::format("weights {}: 'card' is not a string", path));
+    try {
+      w.card = nlohmann::json::parse(card.toStringRef());
+    } catch (const nlohmann::json::exception& e) {
+      throw ExportError(fmt::format("weights {}: card is not JSON: {}", path, e.what()));
+    }
+  }
   return w;
+}
+
+bool is_weights_file(const std::string& path) {
+  // Both formats are zip archives; a weight file is a single pickle (data.pkl) whose dict names its
+  // format, a checkpoint is a TorchScript archive. Reading is cheap next to loading a model.
+  try {
+    read_weights(path);
+    return true;
+  } catch (const ExportError&) {
+    return false;
+  }
+}
+
+models::CapsNet load_model_from_weights(const std::string& path) {
+  auto w = read_weights(path);
+  models::CapsNetConfig config;
+  try {
+    config = models::CapsNetConfig::from_json(w.config);
+  } catch (const std::exception& e) {
+    throw ExportError(fmt::format("weights {}: bad model config: {}", path, e.what()));
+  }
+  models::CapsNet model(config);
+  torch::NoGradGuard no_grad;
+  std::vector<std::string> problems;
+  auto copy_in = [&](const std::string& name, torch::Tensor& dst) {
+    auto it = w.state_dict.find(name);
+    if (it == w.state_dict.end()) return problems.push_back("missing " + name);
+    if (it->second.sizes() != dst.sizes())
+      return problems.push_back(fmt::format("{}: file has {}, model expects {}", name, c10::str(it->second.sizes()), c10::str(dst.sizes())));
+    dst.copy_(it->second.to(dst.scalar_type()));
+  };
+  size_t expected = 0;
+  for (auto& p : model->named_parameters()) copy_in(p.key(), p.value()), ++expected;
+  for (auto& b : model->named_buffers()) copy_in(b.key(), b.value()), ++expected;
+  if (w.state_dict.size() != expected && problems.empty())
+    problems.push_back(fmt::format("{} tensors in the file, {} in the model", w.state_dict.size(), expected));
+  if (!problems.empty()) {
+    std::string all;
+    for (const auto& p : problems) all += (all.empty() ? "" : "; ") + p;
+    throw ExportError(fmt::format("weights {}: state dict does not match the config: {}", path, all));
+  }
+  model->eval();
+  return model;
 }
 
 }  // namespace capsnet::train

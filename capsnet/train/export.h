@@ -10,6 +10,7 @@
 //   "state_dict" {name -> tensor}: every parameter and buffer, names as named_parameters()
 //                ("conv1.weight", "primary_caps.conv.weight", "digit_caps.weight" [I, J, D, Din],
 //                "decoder.fc1.weight", ...), i.e. the names of the Python module's state_dict()
+//   "card"       (optional) model card as a JSON string: data, command, epochs, precision, accuracy
 //   "probe"      (only with ExportOptions::probe > 0) C++ reference outputs for checking a port:
 //                {"images" [N, C, H, W] in [0, 1), "digit_caps" [N, K, D], "lengths" [N, K],
 //                 "reconstruction" [N, C*H*W] (decoder of the longest capsule; absent without a decoder)}
@@ -34,11 +35,24 @@ class ExportError : public std::runtime_error {
 inline constexpr const char* kWeightsFormat = "capsnet-weights";
 inline constexpr int64_t kWeightsVersion = 1;
 
+/// Storage type of the exported tensors. fp16 / bf16 halve the file; the model computes in fp32
+/// after loading (the stored values are exactly what every loader sees).
+enum class WeightStorage { kFloat32, kFloat16, kBFloat16 };
+
+/// "fp32" | "fp16" | "bf16" -> WeightStorage; std::invalid_argument naming the option otherwise.
+WeightStorage parse_weight_storage(const std::string& name);
+std::string weight_storage_name(WeightStorage storage);
+
 struct ExportOptions {
   /// Number of seeded uniform-noise probe images whose C++ outputs are stored beside the weights
   /// (0 = none). Inference mode: the decoder sees the longest capsule.
   int64_t probe = 0;
   uint64_t probe_seed = 0;
+  /// Tensor storage type. With fp16 / bf16 the model's weights are rounded in place before the probe
+  /// runs, so the probe is what a loader of the file computes.
+  WeightStorage storage = WeightStorage::kFloat32;
+  /// Free-form JSON stored as "card" (a model card: data, command, accuracy); empty: none.
+  nlohmann::json card;
 };
 
 /// The exported dict for `model` (see the layout above). Throws std::invalid_argument for probe < 0.
@@ -66,7 +80,15 @@ struct ExportedWeights {
   int64_t step = 0;
   std::map<std::string, torch::Tensor> state_dict;
   std::map<std::string, torch::Tensor> probe;  // empty when exported without a probe
+  nlohmann::json card;                          // null when the file has none
 };
+
+/// True when `path` is a weight file (written by save_weights) rather than a training checkpoint.
+bool is_weights_file(const std::string& path);
+
+/// Builds the model described by a weight file and copies its tensors in (converted to fp32; every
+/// name and shape must match). Eval mode. ExportError naming the file otherwise.
+models::CapsNet load_model_from_weights(const std::string& path);
 
 /// Reads a file written by save_weights with torch::pickle_load; ExportError naming the file otherwise.
 ExportedWeights read_weights(const std::string& path);

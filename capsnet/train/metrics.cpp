@@ -19,8 +19,17 @@ JsonLinesWriter::JsonLinesWriter(const std::string& path, bool truncate) {
 
 void JsonLinesWriter::write(const nlohmann::json& record) {
   if (!out_.is_open()) return;
-  out_ << record.dump() << '\n';
+  if (record.is_object() && !record.contains("time")) {
+    // Wall-clock stamp (Unix seconds) on every record: time-to-accuracy is read off the log.
+    auto stamped = record;
+    stamped["time"] = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    out_ << stamped.dump() << '\n';
+  } else {
+    out_ << record.dump() << '\n';
+  }
   out_.flush();
+  // A full disk must not lose metrics silently.
+  if (!out_) throw std::runtime_error("writing a metrics record failed (disk full or I/O error)");
 }
 
 std::string format_duration(double seconds) {

@@ -65,6 +65,7 @@ void TrainOptions::validate() const {
   if (checkpoint_every < 0) fail(fmt::format("checkpoint interval must be >= 0, got {}", checkpoint_every));
   if (log_every <= 0) fail(fmt::format("log interval must be positive, got {}", log_every));
   if (out_dir.empty()) fail("output directory must not be empty");
+  nn::parse_precision(precision);  // throws naming the value (or a CPU without bf16)
 }
 
 nlohmann::json TrainOptions::to_json() const {
@@ -76,6 +77,7 @@ nlohmann::json TrainOptions::to_json() const {
           {"max_shift", max_shift},
           {"seed", seed},
           {"checkpoint_every", checkpoint_every},
+          {"precision", nn::precision_name(nn::parse_precision(precision))},
           {"out_dir", out_dir}};
 }
 
@@ -107,6 +109,7 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
   torch::manual_seed(options.seed);
   models::CapsNet model(options.model);
   model->set_fused_routing(options.fused_routing);
+  model->set_precision(nn::parse_precision(options.precision));
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(options.lr));
   const std::string ckpt = checkpoint_path(options.out_dir);
 
@@ -137,9 +140,10 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
                  {"train", options_json},
                  {"parameters", models::count_parameters(*model)},
                  {"threads", at::get_num_threads()}});
-  log << fmt::format("CapsNet: {} parameters, {} training examples, batch {}, {} steps ({} per epoch), {} threads\n",
-                     models::count_parameters(*model), n, options.batch_size, total_steps, steps_per_epoch,
-                     at::get_num_threads());
+  log << fmt::format(
+      "CapsNet: {} parameters, {} training examples, batch {}, {} steps ({} per epoch), {} threads, {} compute\n",
+      models::count_parameters(*model), n, options.batch_size, total_steps, steps_per_epoch, at::get_num_threads(),
+      nn::precision_name(model->precision()));
   if (group)
     log << fmt::format("data parallel: {} processes, {} examples each per step, {} gradient buckets\n", world,
                        options.batch_size / world, reducer->bucket_count());
@@ -287,7 +291,8 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
                        {"accuracy", r.accuracy},
                        {"error", 1 - r.accuracy},
                        {"loss", r.loss},
-                       {"examples", r.examples}});
+                       {"examples", r.examples},
+                       {"train_seconds", run_seconds}});
         line += fmt::format(" | test loss {:.4f} accuracy {:.2f}% ({} images)", r.loss, 100 * r.accuracy,
                             r.examples);
         result.test = std::move(r);

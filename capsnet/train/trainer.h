@@ -37,6 +37,7 @@ struct TrainOptions {
   std::string resume;         // checkpoint path to continue from ("" = start fresh)
   bool progress = true;
   bool fused_routing = true;  // the fused routing operator (false: composite ops; same math)
+  std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of the convolutions and decoder
 
   /// Throws std::invalid_argument naming the first bad option.
   void validate() const;

@@ -56,15 +56,17 @@ std::string metrics_section(const fs::path& path, const std::string& name) {
   while (std::getline(in, line)) {
     if (line.empty()) continue;
     nlohmann::json r = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (!r.is_object() || !r.contains("event")) continue;  // tolerate a line cut by an interrupted run
+    // Tolerate a line cut by an interrupted run, or any record of another shape: skip it.
+    if (!r.is_object() || !r.contains("event") || !r["event"].is_string()) continue;
     const auto event = r["event"].get<std::string>();
     if (event == "start") start = r;
-    if (!r.contains("step")) continue;
+    if (!r.contains("step") || !r["step"].is_number()) continue;
     const double step = r["step"].get<double>();
+    auto number_at = [&](const char* key) { return r.contains(key) && r[key].is_number(); };
     if (event == "train") {
-      if (r.contains("loss")) loss.x.push_back(step), loss.y.push_back(r["loss"].get<double>());
-      if (r.contains("accuracy")) acc.x.push_back(step), acc.y.push_back(r["accuracy"].get<double>());
-    } else if (event == "eval" && r.contains("accuracy")) {
+      if (number_at("loss")) loss.x.push_back(step), loss.y.push_back(r["loss"].get<double>());
+      if (number_at("accuracy")) acc.x.push_back(step), acc.y.push_back(r["accuracy"].get<double>());
+    } else if (event == "eval" && number_at("accuracy")) {
       test.x.push_back(step), test.y.push_back(r["accuracy"].get<double>());
     }
   }
@@ -85,21 +87,26 @@ std::string bench_section(const fs::path& path, int& tables) {
   std::string line;
   while (std::getline(in, line)) {
     nlohmann::json r = nlohmann::json::parse(line, nullptr, false);
-    if (!r.is_object() || !r.value("summary", false)) continue;
+    if (!r.is_object() || !r.contains("summary") || r["summary"] != true) continue;
     nlohmann::json medians = nlohmann::json::array(), ratios = nlohmann::json::array();
-    for (auto& [config, m] : r["median"].items()) {
+    const nlohmann::json median = r.value("median", nlohmann::json::object());
+    if (!median.is_object()) continue;
+    for (auto& [config, m] : median.items()) {
+      if (!m.is_object()) continue;
       auto row = m;
       row["configuration"] = config;
       medians.push_back(row);
     }
     const nlohmann::json pairs = r.value("ratios", nlohmann::json::object());  // named: items() must not outlive it
     for (auto& [pair, m] : pairs.items()) {
+      if (!m.is_object()) continue;
       auto row = m;
       row["pair"] = pair;
       ratios.push_back(row);
     }
-    html += fmt::format("<p>Medians of {} run(s), batch {}, {} threads.</p>\n", r.value("repeats", 0),
-                        r.value("batch_size", 0), r.value("threads", 0));
+    auto int_at = [&](const char* key) { return r.contains(key) && r[key].is_number() ? r[key].get<double>() : 0.0; };
+    html += fmt::format("<p>Medians of {} run(s), batch {}, {} threads.</p>\n", number(int_at("repeats")),
+                        number(int_at("batch_size")), number(int_at("threads")));
     html += json_table(medians, {"configuration"}) + json_table(ratios, {"pair"});
     tables += 2;
   }
@@ -219,6 +226,10 @@ std::string json_table(const nlohmann::json& value, const std::vector<std::strin
     }
   } else if (value.is_object()) {
     for (auto& [k, v] : value.items()) html += "<tr><th>" + html_escape(k) + "</th><td>" + cell(v) + "</td></tr>\n";
+  } else if (value.is_array()) {
+    // Mixed or nested arrays (e.g. a confusion matrix): one row per element. Recursing into cell()
+    // with the array itself would never end.
+    for (const auto& v : value) html += "<tr><td>" + cell(v) + "</td></tr>\n";
   } else {
     html += "<tr><td>" + cell(value) + "</td></tr>\n";
   }

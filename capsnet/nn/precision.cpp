@@ -1,0 +1,59 @@
+#include "capsnet/nn/precision.h"
+
+#include <cpuid.h>
+#include <fmt/format.h>
+
+#include <stdexcept>
+#include <variant>
+
+namespace capsnet::nn {
+
+bool cpu_has_native_bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid_max(0, nullptr) < 7) return false;
+  __cpuid_count(7, 0, eax, ebx, ecx, edx);
+  const bool avx512f = ebx & (1u << 16), amx_bf16 = edx & (1u << 22);
+  __cpuid_count(7, 1, eax, ebx, ecx, edx);
+  const bool avx512_bf16 = eax & (1u << 5);
+  return (avx512f && avx512_bf16) || amx_bf16;
+#else
+  return false;
+#endif
+}
+
+Precision parse_precision(const std::string& name) {
+  if (name == "fp32") return Precision::kFloat32;
+  if (name == "auto") return cpu_has_native_bf16() ? Precision::kBFloat16 : Precision::kFloat32;
+  if (name == "bf16") {
+    if (!cpu_has_native_bf16())
+      throw std::invalid_argument(
+          "precision bf16: this CPU has no native bf16 arithmetic (AVX512_BF16 or AMX); use fp32 or auto");
+    return Precision::kBFloat16;
+  }
+  throw std::invalid_argument(fmt::format("precision must be fp32, bf16 or auto, got '{}'", name));
+}
+
+std::string precision_name(Precision precision) { return precision == Precision::kBFloat16 ? "bf16" : "fp32"; }
+
+torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x, Precision precision) {
+  if (precision == Precision::kFloat32) return conv->forward(x);
+  const auto dtype = compute_dtype(precision);
+  const auto& o = conv->options;
+  // padding is c10::variant in LibTorch 1.13 and std::variant in 2.x: `get` found by ADL serves both.
+  TORCH_CHECK(o.padding().index() == 0 && o.padding_mode().index() == 0,
+              "conv2d_at: only numeric zero padding is supported");
+  using std::get;
+  const torch::ExpandingArray<2> padding = get<0>(o.padding());
+  return torch::conv2d(x.to(dtype), conv->weight.to(dtype), conv->bias.defined() ? conv->bias.to(dtype) : conv->bias,
+                       o.stride(), padding, o.dilation(), o.groups());
+}
+
+torch::Tensor linear_at(torch::nn::Linear& linear, const torch::Tensor& x, Precision precision) {
+  if (precision == Precision::kFloat32) return linear->forward(x);
+  const auto dtype = compute_dtype(precision);
+  return torch::linear(x.to(dtype), linear->weight.to(dtype),
+                       linear->bias.defined() ? linear->bias.to(dtype) : linear->bias);
+}
+
+}  // namespace capsnet::nn
