@@ -28,7 +28,10 @@ namespace {
 using train::median;
 
 struct Flags {
-  std::vector<std::string> configs = {"fused", "reference", "peer"};
+  // fused-bf16 joins where the CPU computes bf16 natively (docs/kernels.md).
+  std::vector<std::string> configs = nn::cpu_has_native_bf16()
+                                         ? std::vector<std::string>{"fused", "fused-bf16", "reference", "peer"}
+                                         : std::vector<std::string>{"fused", "reference", "peer"};
   int repeats = 3;
   int64_t batch_size = 100, steps = 10, infer_batches = 5, latency_runs = 30, routing_iters = 3;
   std::string python = "/usr/bin/python3";
@@ -40,6 +43,7 @@ struct Flags {
 
 const std::map<std::string, std::string> kDescriptions = {
     {"fused", "capsnet, fused routing op"},
+    {"fused-bf16", "capsnet, fused routing op, bf16 convs + decoder"},
     {"reference", "capsnet, composite routing (u_hat materialised)"},
     {"peer", "plain PyTorch peer (Python, eager)"}};
 
@@ -87,7 +91,8 @@ std::string worker_command(const Flags& f, const std::string& config) {
 
 int run_one(const Flags& f) {
   train::BenchOptions o;
-  o.fused_routing = f.worker == "fused";
+  o.fused_routing = f.worker == "fused" || f.worker == "fused-bf16";
+  if (f.worker == "fused-bf16") o.precision = nn::parse_precision("bf16");
   o.model.routing_iterations = f.routing_iters;
   o.batch_size = f.batch_size;
   o.steps = f.steps;
@@ -162,6 +167,8 @@ int run_all(const Flags& f) {
         r["train_rss_growth_ratio"].get<double>());
   };
   std::cout << '\n';
+  ratios("fused-bf16", "fused");
+  ratios("fused-bf16", "peer");
   ratios("fused", "peer");
   ratios("fused", "reference");
   ratios("reference", "peer");
@@ -178,7 +185,7 @@ Subcommand add_bench(CLI::App& root) {
                "plain-PyTorch peer, side by side (synthetic data; each run in its own process)");
   app->add_option("--configs", f->configs, "Which to run, comma-separated: fused, reference, peer")
       ->delimiter(',')
-      ->check(CLI::IsMember({"fused", "reference", "peer"}))
+      ->check(CLI::IsMember({"fused", "fused-bf16", "reference", "peer"}))
       ->capture_default_str();
   app->add_option("--repeats", f->repeats, "Interleaved repeats; medians are reported")
       ->check(CLI::PositiveNumber)
@@ -200,7 +207,7 @@ Subcommand add_bench(CLI::App& root) {
   app->add_option("--peer-script", f->peer_script, "The peer's script")->capture_default_str();
   app->add_option("--jsonl", f->jsonl, "Append every run and the summary as JSON lines to this file");
   app->add_option("--worker", f->worker, "(internal) run one configuration and print one JSON line")
-      ->check(CLI::IsMember({"fused", "reference"}))
+      ->check(CLI::IsMember({"fused", "fused-bf16", "reference"}))
       ->group("");
   add_threads_flag(*app, f->threads);
   return {app, [f]() {

@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
 
   std::string help_topic;
   auto* help = app.add_subcommand("help", "Show help for capsnet or one of its commands");
-  help->add_option("command", help_topic, "Command to describe");
+  help->add_option("command", help_topic, "Command to describe, or 'limits' for the range of every numeric flag");
 
   if (argc > 1 && argv[1][0] != '-') {
     std::vector<std::string> names;
@@ -71,6 +71,10 @@ int main(int argc, char** argv) {
         std::cout << c.app->help();
         return 0;
       }
+    if (help_topic == "limits") {  // the documented range of every numeric flag (docs/reliability.md)
+      std::cout << capsnet::cli::numeric_limits_markdown();
+      return 0;
+    }
     if (!help_topic.empty()) {
       std::cerr << fmt::format("capsnet: error: unknown command '{}'\n", help_topic);
       std::cerr << app.help();

@@ -1,6 +1,8 @@
 #include <fmt/format.h>
 
+#include <fstream>
 #include <iostream>
+#include <optional>
 #include <memory>
 #include <thread>
 
@@ -12,6 +14,41 @@
 #include "cli/commands.h"
 
 namespace capsnet::cli {
+namespace {
+
+// Bytes this process may still use: the smaller of MemAvailable and the cgroup's (v2) headroom.
+std::optional<double> available_memory_bytes() {
+  std::optional<double> best;
+  auto take = [&](double v) { best = best ? std::min(*best, v) : v; };
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string key; meminfo >> key;) {
+    double kb = 0;
+    std::string unit;
+    meminfo >> kb >> unit;
+    if (key == "MemAvailable:") take(kb * 1024);
+  }
+  std::ifstream max("/sys/fs/cgroup/memory.max"), current("/sys/fs/cgroup/memory.current");
+  std::string limit;
+  double used = 0;
+  if (max >> limit && limit != "max" && current >> used) take(std::stod(limit) - used);
+  return best;
+}
+
+// Every rank holds the data set, a model, Adam's state and a batch's activations (~0.6 GB for the
+// paper's model at batch 100, measured by `capsnet bench`): refuse what would be OOM-killed.
+void check_nproc_resources(int nproc) {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  if (static_cast<unsigned>(nproc) > cores)
+    throw std::invalid_argument(fmt::format("--nproc {}: more processes than the {} cores of this machine", nproc,
+                                            cores));
+  constexpr double kPerRank = 0.6e9;
+  if (auto avail = available_memory_bytes(); avail && nproc * kPerRank > *avail)
+    throw std::invalid_argument(fmt::format("--nproc {} needs about {:.1f} GB of memory ({:.1f} GB per process) but "
+                                            "{:.1f} GB is available",
+                                            nproc, nproc * kPerRank / 1e9, kPerRank / 1e9, *avail / 1e9));
+}
+
+}  // namespace
 
 Subcommand add_train(CLI::App& root) {
   struct Flags {
@@ -94,6 +131,7 @@ Subcommand add_train(CLI::App& root) {
                 throw std::invalid_argument(fmt::format("--nproc {} needs --batch-size >= {} (each process takes a "
                                                         "slice of every batch), got {}",
                                                         f->nproc, f->nproc, f->o.batch_size));
+              check_nproc_resources(f->nproc);
               train::LaunchOptions launch;
               launch.nproc = f->nproc;
               const int total = f->threads > 0 ? f->threads : static_cast<int>(std::thread::hardware_concurrency());

@@ -85,16 +85,22 @@ TEST(BenchCliTest, RunsFusedReferenceAndPeerSideBySideAndWritesJsonLines) {
   std::ifstream in(jsonl);
   std::vector<nlohmann::json> lines;
   for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
-  ASSERT_EQ(lines.size(), 4u);  // one per configuration, then the summary
+  // fused-bf16 runs too where the CPU computes bf16 natively.
+  const auto expected = nn::cpu_has_native_bf16()
+                            ? std::vector<std::string>{"fused", "fused-bf16", "reference", "peer"}
+                            : std::vector<std::string>{"fused", "reference", "peer"};
+  ASSERT_EQ(lines.size(), expected.size() + 1);  // one per configuration, then the summary
   std::vector<std::string> configs;
-  for (size_t i = 0; i < 3; ++i) {
+  for (size_t i = 0; i < expected.size(); ++i) {
     configs.push_back(lines[i].at("config").get<std::string>());
     EXPECT_EQ(lines[i].at("batch_size").get<int64_t>(), 2);
     EXPECT_GT(lines[i].at("train_img_s").get<double>(), 0);
     EXPECT_GT(lines[i].at("train_peak_rss_mb").get<double>(), 0);
   }
-  EXPECT_EQ(configs, (std::vector<std::string>{"fused", "reference", "peer"}));
-  const auto& summary = lines[3];
+  EXPECT_EQ(configs, expected);
+  if (nn::cpu_has_native_bf16())
+    EXPECT_NE(r.output.find("fused-bf16 vs fused: training"), std::string::npos) << r.output;
+  const auto& summary = lines.back();
   ASSERT_TRUE(summary.at("summary").get<bool>());
   const double fused = summary.at("median").at("fused").at("train_img_s").get<double>();
   const double peer = summary.at("median").at("peer").at("train_img_s").get<double>();

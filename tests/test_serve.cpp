@@ -233,3 +233,33 @@ TEST(ServeCli, MissingCheckpointAndBadPortFailWithAMessage) {
 
 }  // namespace
 }  // namespace capsnet
+
+namespace capsnet {
+namespace {
+
+TEST_F(ServeHttp, ASecondServerOnTheSamePortIsRefused) {
+  viz::ServeOptions options;
+  options.port = port;  // the port the fixture's server listens on
+  options.runs_dir = runs;
+  viz::LiveViewer second(model, options);
+  try {
+    second.bind();
+    FAIL() << "a second server bound port " << port;
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("in use"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(ServeHttp, ARunFolderWithANonUtf8NameDoesNotBreakTheRunList) {
+  const std::string latin1 = runs + "/caf\xe9";  // "café" in Latin-1: not valid UTF-8
+  std::filesystem::create_directories(latin1);
+  std::ofstream(latin1 + "/metrics.jsonl") << R"({"event":"train","step":1,"loss":1})" << '\n';
+  auto r = client->Get("/api/runs");
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200) << r->body;
+  auto names = body_of(r)["runs"];
+  EXPECT_GE(names.size(), 3u) << r->body;  // mnist, ablation/r1 and the odd one, replaced characters and all
+}
+
+}  // namespace
+}  // namespace capsnet

@@ -18,7 +18,7 @@ constexpr uint8_t kTypeUByte = 0x08;
 constexpr int kMaxDims = 4;
 constexpr size_t kMaxHeader = 4 + 4 * kMaxDims;
 // A .gz cannot be sized before inflating it; the bound keeps a gzip bomb from exhausting memory.
-constexpr size_t kMaxGzBytes = size_t{1} << 30;
+constexpr size_t kMaxGzBytes = size_t{512} << 20;
 
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
   throw IdxError(path + ": " + what);
@@ -82,6 +82,23 @@ Header parse_header(const std::string& path, const uint8_t* bytes, size_t availa
   return h;
 }
 
+// The header's dimensions and sizes without checking them against a file size (for streams).
+Header parse_header_dims_only(const std::string& path, const uint8_t* bytes, size_t available) {
+  if (available >= 4 && bytes[3] >= 1 && bytes[3] <= kMaxDims && available >= 4 + 4 * size_t{bytes[3]}) {
+    uint64_t data = 1;
+    bool overflow = false;
+    for (int i = 0; i < bytes[3]; ++i) {
+      const uint8_t* p = bytes + 4 + 4 * i;
+      const uint64_t d = (uint64_t{p[0]} << 24) | (uint64_t{p[1]} << 16) | (uint64_t{p[2]} << 8) | p[3];
+      overflow = overflow || __builtin_mul_overflow(data, d, &data);
+    }
+    if (overflow) fail(path, "header declares more than 2^64 bytes of data");
+    const uint64_t total = 4 + 4 * uint64_t{bytes[3]} + data;
+    return parse_header(path, bytes, available, total);  // checks magic, type and dimensions
+  }
+  return parse_header(path, bytes, available, available);  // fails with the precise reason
+}
+
 torch::Tensor read_plain(const std::string& path) {
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
   if (!f) fail(path, std::string("cannot open: ") + std::strerror(errno));
@@ -103,22 +120,60 @@ torch::Tensor read_plain(const std::string& path) {
 torch::Tensor read_gz(const std::string& path) {
   std::unique_ptr<gzFile_s, int (*)(gzFile)> f(gzopen(path.c_str(), "rb"), &gzclose_r);
   if (!f) fail(path, std::string("cannot open: ") + std::strerror(errno ? errno : ENOMEM));
-
-  std::vector<uint8_t> bytes;
-  constexpr unsigned kChunk = 1u << 20;
-  for (;;) {
-    const size_t old = bytes.size();
-    bytes.resize(old + kChunk);
-    const int n = gzread(f.get(), bytes.data() + old, kChunk);
-    if (n < 0) {
+  auto read_some = [&](uint8_t* into, unsigned n) {
+    const int got = gzread(f.get(), into, n);
+    if (got < 0) {
       int err = 0;
       fail(path, std::string("corrupt gzip data: ") + gzerror(f.get(), &err));
     }
-    bytes.resize(old + static_cast<size_t>(n));
-    if (bytes.size() > kMaxGzBytes)
-      fail(path, fmt::format("decompresses to more than {} bytes; refusing to load it", kMaxGzBytes));
-    if (n == 0) break;
+    return static_cast<size_t>(got);
+  };
+  // The header first: it says how many bytes the data must inflate to, so memory is bounded by
+  // that (checked against kMaxGzBytes) and a gzip bomb stops one byte past its declared size.
+  uint8_t head[kMaxHeader];
+  size_t have = 0;
+  while (have < kMaxHeader) {
+    const size_t got = read_some(head + have, static_cast<unsigned>(kMaxHeader - have));
+    if (got == 0) break;
+    have += got;
   }
+  const uint64_t declared_total = [&] {
+    Header probe;
+    try {
+      probe = parse_header_dims_only(path, head, have);
+    } catch (const IdxError&) {
+      // A damaged deflate stream inflates to garbage before zlib notices: if the rest of the stream
+      // (drained into a small buffer, never stored) is corrupt, that is the error to report.
+      uint8_t sink[1 << 16];
+      size_t drained = 0;
+      for (size_t got; drained < kMaxGzBytes && (got = read_some(sink, sizeof sink)) > 0;) drained += got;
+      int err = Z_OK;
+      const char* msg = gzerror(f.get(), &err);
+      if (err != Z_OK) fail(path, std::string("corrupt gzip data: ") + msg);
+      throw;
+    }
+    if (probe.data_bytes > kMaxGzBytes)
+      fail(path, fmt::format("declares {} bytes of data, more than the {} this reader accepts from a .gz",
+                             probe.data_bytes, kMaxGzBytes));
+    return probe.size + probe.data_bytes;
+  }();
+  std::vector<uint8_t> bytes(head, head + have);
+  bytes.resize(declared_total + 1);  // one spare byte detects trailing data
+  size_t filled = have;
+  while (filled < bytes.size()) {
+    const size_t want = std::min<size_t>(bytes.size() - filled, size_t{1} << 30);
+    const size_t got = read_some(bytes.data() + filled, static_cast<unsigned>(want));
+    if (got == 0) break;
+    filled += got;
+  }
+  if (filled > declared_total) {
+    uint8_t sink[4096];
+    size_t extra = filled - declared_total;
+    for (size_t got; extra < (size_t{1} << 20) && (got = read_some(sink, sizeof sink)) > 0;) extra += got;
+    fail(path, fmt::format("{}{} unexpected trailing bytes after the data (header declares {} bytes with itself)",
+                           extra >= (size_t{1} << 20) ? "at least " : "", extra, declared_total));
+  }
+  bytes.resize(filled);
   // A stream cut short ends "successfully" with a short read; zlib reports it only here.
   int err = Z_OK;
   const char* msg = gzerror(f.get(), &err);
@@ -135,7 +190,12 @@ torch::Tensor read_gz(const std::string& path) {
 torch::Tensor read_idx(const std::string& path) {
   std::error_code ec;
   // fopen/gzopen succeed on a directory on Linux; the failure would only surface as a read error.
-  if (std::filesystem::is_directory(path, ec)) fail(path, "cannot open: is a directory");
+  const auto st = std::filesystem::status(path, ec);  // follows symlinks
+  if (ec && ec != std::errc::no_such_file_or_directory) fail(path, "cannot open: " + ec.message());  // e.g. a symlink loop
+  if (std::filesystem::is_directory(st)) fail(path, "cannot open: is a directory");
+  // A FIFO, socket or device would block or never end: only regular files are read.
+  if (std::filesystem::exists(st) && !std::filesystem::is_regular_file(st))
+    fail(path, "cannot open: not a regular file (a FIFO, socket or device)");
   return is_gz(path) ? read_gz(path) : read_plain(path);
 }
 

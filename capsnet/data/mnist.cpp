@@ -55,9 +55,13 @@ ImageSet load_mnist(const std::string& dir, Split split) {
     throw IdxError(fmt::format("{}: MNIST directory not found; {}", dir, fetch_hint(dir)));
   const std::string images_path = mnist_images_path(dir, split);
   const std::string labels_path = mnist_labels_path(dir, split);
-  for (const auto& p : {images_path, labels_path})
-    if (!fs::exists(p, ec))
-      throw IdxError(fmt::format("{}: MNIST file missing; {}", p, fetch_hint(dir)));
+  for (const auto& p : {images_path, labels_path}) {
+    const bool there = fs::exists(p, ec);
+    // A symlink loop or a permission problem is not "missing": say what it is.
+    if (ec && ec != std::errc::no_such_file_or_directory)
+      throw IdxError(fmt::format("{}: cannot open: {}", p, ec.message()));
+    if (!there) throw IdxError(fmt::format("{}: MNIST file missing; {}", p, fetch_hint(dir)));
+  }
 
   ImageSet set{read_idx(images_path), read_idx(labels_path)};
   if (set.images.dim() != 3 || set.images.size(1) != kSide || set.images.size(2) != kSide)

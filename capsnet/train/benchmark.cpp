@@ -54,6 +54,7 @@ BenchResult run_benchmark(const BenchOptions& o) {
   torch::manual_seed(o.seed);
   models::CapsNet model(o.model);
   model->set_fused_routing(o.fused_routing);
+  model->set_precision(o.precision);
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
   const auto& c = o.model;
   // images: [B, C, H, W] in [0, 1); labels: [B]

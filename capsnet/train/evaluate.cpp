@@ -17,6 +17,15 @@ EvalResult evaluate(models::CapsNet& model, const data::ImageSet& set, int64_t b
   EvalResult r;
   r.examples = n;
   r.confusion = torch::zeros({K, K}, torch::kLong);
+  if (n > 0) {
+    // A model for fewer classes than the data has (e.g. a crafted checkpoint) must say so, not
+    // fail inside index_put_.
+    const int64_t lo = set.labels.min().item<int64_t>(), hi = set.labels.max().item<int64_t>();
+    if (lo < 0 || hi >= K)
+      throw std::invalid_argument(fmt::format("evaluate: the data has labels {}..{} but the model has {} classes "
+                                              "(0..{})",
+                                              lo, hi, K, K - 1));
+  }
   double loss_sum = 0;
   ProgressBar bar(progress ? *progress : std::cerr, "eval", n, progress != nullptr);
   for (int64_t start = 0; start < n; start += batch_size) {

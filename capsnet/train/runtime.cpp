@@ -3,6 +3,8 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -10,6 +12,7 @@
 namespace capsnet {
 
 void set_threads(int n) {
+  n = std::min(n, kMaxThreads);
   if (n <= 0) n = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   at::set_num_threads(n);
 }
@@ -27,8 +30,19 @@ void configure_runtime(int /*argc*/, char** argv) {
     }
 #endif
   }
+  // CAPSNET_THREADS follows --threads' documented range (0..256, 0 = all cores); anything else is
+  // ignored with a notice rather than trying to start 100000 threads.
   const char* threads = std::getenv("CAPSNET_THREADS");
-  set_threads(threads ? std::atoi(threads) : 0);
+  int n = 0;
+  if (threads && *threads) {
+    char* end = nullptr;
+    const long v = std::strtol(threads, &end, 10);
+    if (*end != '\0' || v < 0 || v > kMaxThreads)
+      std::fprintf(stderr, "capsnet: ignoring CAPSNET_THREADS=%s (must be 0..%d)\n", threads, kMaxThreads);
+    else
+      n = static_cast<int>(v);
+  }
+  set_threads(n);
 }
 
 }  // namespace capsnet

@@ -11,7 +11,10 @@ namespace capsnet {
 /// 2. Torch intra-op threads = all cores (LibTorch defaults to 1 here), or $CAPSNET_THREADS.
 void configure_runtime(int argc, char** argv);
 
-/// Sets torch's intra-op thread count; n <= 0 means all cores.
+/// The most intra-op threads a capsnet program starts (--threads and CAPSNET_THREADS).
+inline constexpr int kMaxThreads = 256;
+
+/// Sets torch's intra-op thread count; n <= 0 means all cores, more than kMaxThreads is capped.
 void set_threads(int n);
 
 }  // namespace capsnet

@@ -17,7 +17,10 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-ApiResponse json_response(int status, const json& body) { return {status, body.dump(), "application/json"}; }
+// Invalid UTF-8 (e.g. a run folder named in Latin-1) is replaced, never a reason for a 500.
+ApiResponse json_response(int status, const json& body) {
+  return {status, body.dump(-1, ' ', false, json::error_handler_t::replace), "application/json"};
+}
 ApiResponse error_response(int status, const std::string& message) {
   return json_response(status, json{{"error", message}});
 }
@@ -240,6 +243,12 @@ LiveViewer::LiveViewer(models::CapsNet model, ServeOptions options)
   http.set_read_timeout(5, 0);
   http.set_write_timeout(5, 0);
   http.set_keep_alive_max_count(100);
+  // httplib's default also sets SO_REUSEPORT, which lets a second server bind the same port and take
+  // half the requests. SO_REUSEADDR alone restarts fast after a stop and refuses a busy port.
+  http.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, reinterpret_cast<char*>(&yes), sizeof(yes));
+  });
   http.set_default_headers({{"X-Content-Type-Options", "nosniff"},
                             {"Cache-Control", "no-store"},
                             {"Referrer-Policy", "no-referrer"},

@@ -123,6 +123,22 @@ def test_matches_cpp():
     close(py, cpp, 1e-5, "predict --json lengths")
 
 
+def test_shipped_model():
+    """models/capsnet-mnist: the Python package loads the fp16 weights as fp32 and reproduces the
+    probe the C++ tool stored with them."""
+    path = os.path.join(os.path.dirname(os.path.dirname(HERE)), "models", "capsnet-mnist", "capsnet-mnist.pt")
+    d = capsnet.read_weights(path)
+    assert d["state_dict"]["digit_caps.weight"].dtype == torch.float16
+    card = json.loads(d["card"])
+    assert card["test_examples"] == 10000 and card["test_accuracy"] >= 0.995, card
+    model = capsnet.load(path, ops_library=OPS)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    with torch.no_grad():
+        out = model(d["probe"]["images"])
+    close(out.lengths, d["probe"]["lengths"], 1e-5, "shipped model lengths")
+    assert torch.equal(out.lengths.argmax(1), d["probe"]["lengths"].argmax(1))
+
+
 def test_fused_equals_reference_with_gradients():
     fused = capsnet.load(weights_path(), ops_library=OPS)
     ref = capsnet.load(weights_path(), fused=False)
@@ -226,7 +242,7 @@ def main():
         WORK = work
         setup()
         failed = 0
-        for test in (test_file_layout, test_matches_cpp, test_fused_equals_reference_with_gradients,
+        for test in (test_file_layout, test_matches_cpp, test_shipped_model, test_fused_equals_reference_with_gradients,
                      test_gradcheck_tiny_float64, test_errors):
             try:
                 test()

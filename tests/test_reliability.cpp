@@ -1,0 +1,361 @@
+// Regression tests of the hostile-input campaign (docs/reliability.md): every case generates its own
+// bad input. Data loss (run folders, outputs over inputs, full disks, flipped bytes), crashes
+// (nested JSON in the report, flag values at their limits, LibTorch errors) and their messages.
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <zlib.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "capsnet/data/idx.h"
+#include "capsnet/data/mnist.h"
+#include "capsnet/train/checkpoint.h"
+#include "capsnet/train/metrics.h"
+#include "capsnet/viz/report.h"
+#include "test_helpers.h"
+
+namespace capsnet {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::run_command;
+using testing::TempDir;
+using testing::tiny_config;
+
+const std::string kCli = CAPSNET_CLI;
+
+void expect_contains(const std::string& text, const std::string& phrase) {
+  EXPECT_NE(text.find(phrase), std::string::npos) << "expected \"" << phrase << "\" in:\n" << text;
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << bytes;
+}
+
+/// A tiny model's checkpoint in `path`.
+void tiny_checkpoint(const std::string& path, uint64_t seed = 1) {
+  torch::manual_seed(seed);
+  models::CapsNet model(tiny_config());
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-3));
+  train::save_checkpoint(path, model, &adam, {7, model->config.to_json(), nlohmann::json::object()});
+}
+
+// --- checkpoints -----------------------------------------------------------------------------------
+
+TEST(Reliability, FlippedBytesInACheckpointAreReportedAsCorrupt) {
+  TempDir dir;
+  const auto path = dir / "checkpoint.pt";
+  tiny_checkpoint(path);
+  const auto good = read_bytes(path);
+  // Every flip inside the payload region (the middle 80% of the file) must be caught: the zip
+  // reader alone loads such files silently with different weights.
+  int caught = 0, tried = 0;
+  for (double at : {0.15, 0.3, 0.45, 0.6, 0.75, 0.85}) {
+    auto bad = good;
+    bad[static_cast<size_t>(at * bad.size())] ^= 0x5A;
+    write_bytes(path, bad);
+    ++tried;
+    models::CapsNet model(tiny_config());
+    try {
+      train::load_checkpoint(path, model, nullptr);
+    } catch (const train::CheckpointError& e) {
+      ++caught;
+      expect_contains(e.what(), path);
+    }
+  }
+  EXPECT_EQ(caught, tried);
+  // The undamaged bytes still load, with the step they were written with.
+  write_bytes(path, good);
+  models::CapsNet model(tiny_config());
+  EXPECT_EQ(train::load_checkpoint(path, model, nullptr).step, 7);
+}
+
+TEST(Reliability, ACorruptPayloadSaysCorruptAndNamesTheFile) {
+  TempDir dir;
+  const auto path = dir / "checkpoint.pt";
+  tiny_checkpoint(path);
+  auto bytes = read_bytes(path);
+  bytes[bytes.size() / 2] ^= 0x01;
+  write_bytes(path, bytes);
+  models::CapsNet model(tiny_config());
+  try {
+    train::load_checkpoint(path, model, nullptr);
+    FAIL() << "a flipped bit loaded";
+  } catch (const train::CheckpointError& e) {
+    expect_contains(e.what(), "corrupt");
+    expect_contains(e.what(), path);
+  }
+}
+
+TEST(Reliability, AFullDiskDuringCheckpointSaveIsAnErrorNotACrashAndLeavesNoTempFile) {
+  TempDir dir;
+  const auto path = dir / "checkpoint.pt";
+  tiny_checkpoint(path, 1);
+  const auto previous = read_bytes(path);
+  // RLIMIT_FSIZE makes write() fail with EFBIG past 64 KiB: a full disk for this process only.
+  struct rlimit old {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = old;
+  small.rlim_cur = 64 * 1024;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  bool threw = false;
+  std::string message;
+  try {
+    tiny_checkpoint(path, 2);
+  } catch (const train::CheckpointError& e) {
+    threw = true;
+    message = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_TRUE(threw);
+  expect_contains(message, "write failed");
+  EXPECT_EQ(read_bytes(path), previous) << "the previous checkpoint must be unchanged";
+  for (const auto& e : fs::directory_iterator(dir.str()))
+    EXPECT_EQ(e.path().filename().string(), "checkpoint.pt") << "left behind: " << e.path();
+}
+
+TEST(Reliability, TempFilesOfDeadWritersAreRemovedByTheNextSave) {
+  TempDir dir;
+  const auto path = dir / "checkpoint.pt";
+  // pid 999999999 is above any pid_max: its writer is certainly gone. Our own pid's is kept.
+  write_bytes(path + ".tmp.999999999", std::string(1000, 'x'));
+  write_bytes(path + ".tmp.notapid", "x");
+  tiny_checkpoint(path);
+  EXPECT_FALSE(fs::exists(path + ".tmp.999999999"));
+  EXPECT_TRUE(fs::exists(path + ".tmp.notapid")) << "only <name>.tmp.<pid> files are ours to remove";
+}
+
+TEST(Reliability, CraftedConfigsFailWithASentenceNotAnAllocation) {
+  auto j = models::CapsNetConfig().to_json();
+  j["conv1_channels"] = 1000000000;
+  try {
+    models::CapsNetConfig::from_json(j);
+    FAIL() << "accepted conv1_channels = 1e9";
+  } catch (const std::invalid_argument& e) {
+    expect_contains(e.what(), "conv1_channels");
+  }
+  j = models::CapsNetConfig().to_json();
+  j["primary_types"] = 60000;
+  j["digit_dim"] = 60000;
+  EXPECT_THROW(models::CapsNetConfig::from_json(j), std::invalid_argument);  // 1e14 parameters
+}
+
+// --- metrics and the report ------------------------------------------------------------------------
+
+TEST(Reliability, MetricsWritesToAFullDeviceFailLoudly) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  train::JsonLinesWriter w("/dev/full");
+  EXPECT_THROW(w.write({{"event", "train"}, {"step", 1}}), std::runtime_error);
+}
+
+TEST(Reliability, MetricsRecordsCarryAWallClockStamp) {
+  TempDir dir;
+  {
+    train::JsonLinesWriter w(dir / "m.jsonl");
+    w.write({{"event", "x"}});
+  }
+  std::ifstream in(dir / "m.jsonl");
+  std::string line;
+  std::getline(in, line);
+  auto r = nlohmann::json::parse(line);
+  ASSERT_TRUE(r.contains("time"));
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  EXPECT_NEAR(r["time"].get<double>(), now, 60);
+}
+
+TEST(Reliability, ReportSurvivesNestedArraysAndMalformedMetricsLines) {
+  TempDir dir;
+  fs::create_directories(dir / "run");
+  // eval --json output (a confusion matrix: arrays in an array) and deeper nesting.
+  write_bytes(dir / "run/eval.json", R"({"confusion": [[1, 2], [3, 4]], "deep": [[[1], [2, [3]]], {"a": [[]]}]})");
+  write_bytes(dir / "run/metrics.jsonl",
+              "{\"event\":\"train\",\"step\":1,\"loss\":0.5,\"accuracy\":0.5}\n"
+              "{\"event\":7,\"step\":2}\n"                       // event of the wrong type
+              "{\"event\":\"train\",\"step\":\"three\"}\n"        // step of the wrong type
+              "{\"event\":\"train\",\"step\":4,\"loss\":\"x\"}\n"  // loss of the wrong type
+              "[1,2,3]\n"
+              "{\"event\":\"eval\",\"step\":5,\"accuracy\":0.9}\n"
+              "{\"event\":\"tr");                                 // cut by a crash
+  write_bytes(dir / "run/bench.jsonl", "{\"summary\":\"yes\"}\n{\"summary\":true,\"median\":[1,2],\"ratios\":5}\n");
+  const auto summary = viz::write_report(dir.str(), dir / "report.html", "t");
+  EXPECT_EQ(summary.runs_with_metrics, 1);
+  const auto html = read_bytes(dir / "report.html");
+  expect_contains(html, "90.00%");  // the one good eval record
+}
+
+// --- the command line ------------------------------------------------------------------------------
+
+class ReliabilityCli : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new TempDir();
+    data_ = *dir_ / "mnist";
+    testing::write_fake_mnist(data_, 32, 16);
+    run_ = *dir_ / "run";
+    first_ = run_command(kCli + " train --data " + data_ + " --out " + run_ + " --steps 2 --batch-size 16 --no-progress");
+  }
+  static void TearDownTestSuite() { delete dir_; }
+  static std::string train_into(const std::string& out, const std::string& extra) {
+    return kCli + " train --data " + data_ + " --out " + out + " --steps 1 --batch-size 16 --no-progress --no-eval " +
+           extra;
+  }
+  static TempDir* dir_;
+  static std::string data_, run_;
+  static testing::CommandResult first_;
+};
+TempDir* ReliabilityCli::dir_ = nullptr;
+std::string ReliabilityCli::data_, ReliabilityCli::run_;
+testing::CommandResult ReliabilityCli::first_;
+
+TEST_F(ReliabilityCli, APreviousRunIsNotOverwrittenWithoutBeingAsked) {
+  ASSERT_EQ(first_.status, 0) << first_.output;
+  const auto metrics_before = read_bytes(run_ + "/metrics.jsonl");
+  const auto checkpoint_before = read_bytes(run_ + "/checkpoint.pt");
+  auto r = run_command(train_into(run_, ""));
+  EXPECT_EQ(r.status, 1) << r.output;
+  expect_contains(r.output, "holds a previous run");
+  expect_contains(r.output, "--resume");
+  expect_contains(r.output, "--overwrite");
+  EXPECT_EQ(read_bytes(run_ + "/metrics.jsonl"), metrics_before);
+  EXPECT_EQ(read_bytes(run_ + "/checkpoint.pt"), checkpoint_before);
+
+  // --overwrite replaces it; an empty or fresh folder needs nothing.
+  const auto copy = *dir_ / "run_copy";
+  fs::copy(run_, copy);
+  r = run_command(train_into(copy, "--overwrite"));
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(read_bytes(copy + "/metrics.jsonl"), metrics_before);
+  r = run_command(train_into(*dir_ / "fresh", ""));
+  EXPECT_EQ(r.status, 0) << r.output;
+}
+
+TEST_F(ReliabilityCli, AnOutputIsNeverWrittenOverTheCheckpointItReads) {
+  ASSERT_EQ(first_.status, 0) << first_.output;
+  const auto ckpt = run_ + "/checkpoint.pt";
+  const auto before = read_bytes(ckpt);
+  auto r = run_command(kCli + " reconstruct --data " + data_ + " --checkpoint " + ckpt + " --out " + ckpt);
+  EXPECT_EQ(r.status, 1) << r.output;
+  expect_contains(r.output, "is the input");
+  EXPECT_EQ(read_bytes(ckpt), before);
+}
+
+TEST_F(ReliabilityCli, NumericFlagsOutsideTheirDocumentedRangeAreRefusedBeforeUse) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--batch-size 9223372036854775807", "out of range"},
+      {"--epochs 4611686018427387904", "out of range"},
+      {"--seed -1", "out of range"},
+      {"--seed 18446744073709551616", "out of range"},
+      {"--threads 100000", "out of range"},
+      {"--lr nan", "out of range"},
+      {"--batch-size 12abc", "12abc"},
+  };
+  for (const auto& [flags, phrase] : cases) {
+    auto r = run_command(train_into(*dir_ / "never", flags));
+    EXPECT_NE(r.status, 0) << flags << "\n" << r.output;
+    expect_contains(r.output, phrase);
+    EXPECT_FALSE(fs::exists(*dir_ / "never/metrics.jsonl")) << flags;
+  }
+}
+
+TEST_F(ReliabilityCli, LibTorchErrorsAreOneLineAndTheTraceIsBehindVerbose) {
+  const auto empty_zip = *dir_ / "empty.pt";
+  // An empty zip archive: the end-of-central-directory record alone.
+  write_bytes(empty_zip, std::string("PK\x05\x06", 4) + std::string(18, '\0'));
+  auto r = run_command(kCli + " eval --data " + data_ + " --checkpoint " + empty_zip);
+  EXPECT_EQ(r.status, 1) << r.output;
+  expect_contains(r.output, "capsnet: error:");
+  expect_contains(r.output, empty_zip);
+  EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
+  int lines = 0;
+  for (char c : r.output) lines += c == '\n';
+  EXPECT_LE(lines, 2) << r.output;  // a blank separator line and the message
+}
+
+}  // namespace
+}  // namespace capsnet
+
+namespace capsnet {
+namespace {
+
+// --- data files ------------------------------------------------------------------------------------
+
+TEST(ReliabilityData, AFifoGivenAsAnIdxFileIsRefusedNotWaitedOn) {
+  TempDir dir;
+  const auto fifo = dir / "images";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  try {
+    data::read_idx(fifo);
+    FAIL() << "read a FIFO";
+  } catch (const data::IdxError& e) {
+    expect_contains(e.what(), "not a regular file");
+  }
+}
+
+TEST(ReliabilityData, ASymlinkLoopIsNamedAsSuchNotAsAMissingFile) {
+  TempDir dir;
+  fs::create_symlink(dir / "b", dir / "a");
+  fs::create_symlink(dir / "a", dir / "b");
+  try {
+    data::read_idx(dir / "a");
+    FAIL() << "read a symlink loop";
+  } catch (const data::IdxError& e) {
+    expect_contains(e.what(), "symbolic links");
+  }
+  fs::create_symlink("train-images-idx3-ubyte", dir / "train-images-idx3-ubyte");  // points at itself
+  try {
+    data::load_mnist(dir.str(), data::Split::kTrain);
+    FAIL() << "loaded a symlink loop";
+  } catch (const data::IdxError& e) {
+    EXPECT_EQ(std::string(e.what()).find("missing"), std::string::npos) << e.what();
+    expect_contains(e.what(), "symbolic links");
+  }
+}
+
+TEST(ReliabilityData, AGzipBombStopsAtItsDeclaredSize) {
+  TempDir dir;
+  // Header: 1-D, 16 bytes of data; then 256 MiB of zeros (a ~250 KB file).
+  const auto path = dir / "bomb.gz";
+  gzFile f = gzopen(path.c_str(), "wb9");
+  const unsigned char header[8] = {0, 0, 0x08, 1, 0, 0, 0, 16};
+  ASSERT_EQ(gzwrite(f, header, sizeof header), 8);
+  std::vector<char> zeros(1 << 20, 0);
+  for (int i = 0; i < 256; ++i) ASSERT_EQ(gzwrite(f, zeros.data(), zeros.size()), static_cast<int>(zeros.size()));
+  ASSERT_EQ(gzclose(f), Z_OK);
+  try {
+    data::read_idx(path);
+    FAIL() << "loaded a gzip bomb";
+  } catch (const data::IdxError& e) {
+    // "at least": reading stopped 1 MiB past the declared size instead of inflating all 256 MiB.
+    expect_contains(e.what(), "at least");
+    expect_contains(e.what(), "trailing bytes");
+  }
+  // A header that declares more than the reader accepts is refused before anything is inflated.
+  const auto big = dir / "big.gz";
+  f = gzopen(big.c_str(), "wb");
+  const unsigned char huge[12] = {0, 0, 0x08, 2, 0x7F, 0xFF, 0xFF, 0xFF, 0, 0, 0, 4};
+  ASSERT_EQ(gzwrite(f, huge, sizeof huge), 12);
+  ASSERT_EQ(gzclose(f), Z_OK);
+  try {
+    data::read_idx(big);
+    FAIL() << "accepted 8 GiB declared in a .gz";
+  } catch (const data::IdxError& e) {
+    expect_contains(e.what(), "more than");
+  }
+}
+
+}  // namespace
+}  // namespace capsnet

@@ -1,0 +1,65 @@
+// The trained model that ships in models/capsnet-mnist/: it matches its SHA-256, loads, classifies the
+// first 500 MNIST test digits at >= 99.5%, and `capsnet eval` (no --checkpoint) prints the model
+// card's accuracy exactly.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "capsnet/data/mnist.h"
+#include "capsnet/train/checkpoint.h"
+#include "capsnet/train/evaluate.h"
+#include "capsnet/train/export.h"
+#include "test_helpers.h"
+
+namespace capsnet {
+namespace {
+
+const std::string kModelDir = std::string(CAPSNET_SOURCE_DIR) + "/models/capsnet-mnist";
+const std::string kModel = kModelDir + "/capsnet-mnist.pt";
+const std::string kCli = CAPSNET_CLI;
+
+bool have_mnist() { return std::filesystem::exists(std::string(CAPSNET_DATA_DIR) + "/t10k-images-idx3-ubyte"); }
+
+TEST(ShippedModel, MatchesItsSha256) {
+  ASSERT_TRUE(std::filesystem::exists(kModel)) << kModel;
+  auto r = testing::run_command("cd " + kModelDir + " && sha256sum --check --strict SHA256SUMS");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("capsnet-mnist.pt: OK"), std::string::npos) << r.output;
+}
+
+TEST(ShippedModel, IsSmallHalfPrecisionWeightsWithACard) {
+  auto w = train::read_weights(kModel);
+  EXPECT_LE(std::filesystem::file_size(kModel), 20u * 1000 * 1000);
+  EXPECT_EQ(w.state_dict.at("digit_caps.weight").scalar_type(), torch::kFloat16);
+  ASSERT_TRUE(w.card.is_object());
+  for (const char* key : {"dataset", "command", "epochs", "precision", "test_accuracy", "test_examples"})
+    EXPECT_TRUE(w.card.contains(key)) << key;
+  EXPECT_EQ(w.config, models::CapsNetConfig().to_json()) << "the paper's model";
+}
+
+TEST(ShippedModel, ClassifiesTheFirst500TestDigits) {
+  if (!have_mnist()) GTEST_SKIP() << "MNIST not fetched (scripts/fetch_mnist.sh)";
+  auto model = train::load_model(kModel);
+  auto set = data::take(data::load_mnist(CAPSNET_DATA_DIR, data::Split::kTest), 500);
+  auto r = train::evaluate(model, set, 250, nullptr);
+  EXPECT_EQ(r.examples, 500);
+  EXPECT_GE(r.accuracy, 0.995);
+}
+
+TEST(ShippedModel, EvalWithoutACheckpointUsesItAndPrintsTheCardsAccuracy) {
+  if (!have_mnist()) GTEST_SKIP() << "MNIST not fetched (scripts/fetch_mnist.sh)";
+  const auto card = train::read_weights(kModel).card;
+  auto r = testing::run_command(kCli + " eval --data " + CAPSNET_DATA_DIR + " --no-progress --threads 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("using the shipped model"), std::string::npos) << r.output;
+  const auto expected = fmt::format("test accuracy: {:.2f}%", 100 * card.at("test_accuracy").get<double>());
+  EXPECT_NE(r.output.find(expected), std::string::npos) << "expected \"" << expected << "\" in:\n" << r.output;
+  const auto wrong = fmt::format("{} of {} wrong", card.at("test_errors").get<int64_t>(), 10000);
+  EXPECT_NE(r.output.find(wrong), std::string::npos) << "expected \"" << wrong << "\" in:\n" << r.output;
+}
+
+}  // namespace
+}  // namespace capsnet
