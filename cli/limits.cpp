@@ -36,7 +36,7 @@ const std::map<std::string, Range>& limits() {
       {"--primary-types", {1, 4096, true}},    {"--types", {1, 4096, true}},
       {"--caps1-types", {1, 4096, true}},      {"--caps2-types", {1, 4096, true}},
       {"--conv1-channels", {1, 4096, true}},   {"--stem-channels", {1, 4096, true}},
-      {"--max-shift", {0, 27, true}},          {"--max-offset", {0, 1024, true}},
+      {"--max-shift", {0, 27, true}},          {"--max-offset", {0, 1024, false}},
       {"--zoom", {1, 64, true}},               {"--wrong", {0, 10000, true}},
       {"--correct", {0, 10000, true}},         {"--figure-wrong", {0, 10000, true}},
       {"--figure-correct", {0, 10000, true}},  {"--figure-rows", {0, 10000, true}},
@@ -93,6 +93,9 @@ void apply_numeric_limits(CLI::App& app) {
         continue;
       }
       const Range r = it->second;
+      if (r.integer && o->get_type_name().rfind("FLOAT", 0) == 0)
+        throw std::logic_error(fmt::format("capsnet {} {}: a real-valued option with an integer range (cli/limits.cpp)",
+                                           sub->get_name(), name));
       o->check(CLI::Validator([r](std::string& text) { return check_text(text, r); },
                               fmt::format("{:g}..{:g}", r.lo, r.hi), "RANGE"));
     }
