@@ -68,6 +68,7 @@ Subcommand add_perturb(CLI::App& root) {
     double max_offset = 0.25;
     int64_t zoom = 2;
     int threads = 0;
+    std::string precision = "fp32";
   };
   auto f = std::make_shared<Flags>();
   auto* app = root.add_subcommand(
@@ -88,11 +89,13 @@ Subcommand add_perturb(CLI::App& root) {
       ->check(CLI::Range(1, 8))
       ->capture_default_str();
   add_threads_flag(*app, f->threads);
+  add_precision_flag(*app, f->precision);
 
   return {app, [f]() {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             if (f->threads > 0) set_threads(f->threads);
             auto model = train::load_model(f->checkpoint);
+            model->set_precision(nn::parse_precision(f->precision));
             if (!model->config.reconstruction)
               throw std::invalid_argument(f->checkpoint +
                                           ": this checkpoint has no decoder; train without --no-reconstruction");

@@ -19,6 +19,7 @@ Subcommand add_reconstruct(CLI::App& root) {
     std::string checkpoint, out = "runs/mnist/reconstructions.png";
     int64_t correct = 12, wrong = 6;
     int threads = 0;
+    std::string precision = "fp32";
   };
   auto f = std::make_shared<Flags>();
   auto* app = root.add_subcommand(
@@ -33,6 +34,7 @@ Subcommand add_reconstruct(CLI::App& root) {
       ->check(CLI::Range(0, 1000))
       ->capture_default_str();
   add_threads_flag(*app, f->threads);
+  add_precision_flag(*app, f->precision);
 
   return {app, [f]() {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
@@ -40,6 +42,7 @@ Subcommand add_reconstruct(CLI::App& root) {
             if (f->threads > 0) set_threads(f->threads);
             if (f->correct + f->wrong == 0) throw std::invalid_argument("nothing to show: --correct and --wrong are 0");
             auto model = train::load_model(f->checkpoint);
+            model->set_precision(nn::parse_precision(f->precision));
             if (!model->config.reconstruction)
               throw std::invalid_argument(f->checkpoint + ": this model was trained without a decoder");
             auto set = data::load_mnist(f->data.resolved(), data::Split::kTest);

@@ -20,6 +20,7 @@ Subcommand add_serve(CLI::App& root) {
     std::string checkpoint;
     viz::ServeOptions serve;
     int threads = 1;
+    std::string precision = "fp32";
   };
   auto f = std::make_shared<Flags>();
   auto* app = root.add_subcommand(
@@ -39,11 +40,13 @@ Subcommand add_serve(CLI::App& root) {
   app->add_option("--threads", f->threads, "Intra-op threads for the model (0 = all cores)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  add_precision_flag(*app, f->precision);
 
   return {app, [f]() {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             set_threads(f->threads);
             auto model = train::load_model(f->checkpoint);
+            model->set_precision(nn::parse_precision(f->precision));
             if (!model->config.reconstruction)
               throw std::invalid_argument(f->checkpoint +
                                           ": this checkpoint has no decoder; train without --no-reconstruction");
