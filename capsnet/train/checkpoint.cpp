@@ -266,7 +266,7 @@ CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, 
 
 models::CapsNet load_model(const std::string& path) {
   // A shipped / exported weight file (weights and config only) serves wherever a model is needed.
-  if (is_weights_file(path)) return load_model_from_weights(path);
+  if (auto weights = try_read_weights(path)) return model_from_weights(*weights, path);
   auto meta = read_checkpoint_meta(path);
   models::CapsNetConfig config;
   try {

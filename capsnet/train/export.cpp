@@ -148,9 +148,9 @@ ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::s
     throw std::invalid_argument(fmt::format("export: --probe must be >= 0, got {}", options.probe));
 
   // A weight file (e.g. the shipped model) re-exports too: to another storage type, or with a probe.
-  const bool weights_in = is_weights_file(checkpoint_path);
-  const int64_t step = weights_in ? read_weights(checkpoint_path).step : read_checkpoint_meta(checkpoint_path).step;
-  auto model = load_model(checkpoint_path);
+  const auto weights_in = try_read_weights(checkpoint_path);  // read once, used for the step and the model
+  const int64_t step = weights_in ? weights_in->step : read_checkpoint_meta(checkpoint_path).step;
+  auto model = weights_in ? model_from_weights(*weights_in, checkpoint_path) : load_model(checkpoint_path);
   ExportSummary s;
   s.step = step;
   s.tensors = static_cast<int64_t>(model->named_parameters().size() + model->named_buffers().size());
@@ -207,19 +207,21 @@ ExportedWeights read_weights(const std::string& path) {
   return w;
 }
 
-bool is_weights_file(const std::string& path) {
+std::optional<ExportedWeights> try_read_weights(const std::string& path) {
   // Both formats are zip archives; a weight file is a single pickle (data.pkl) whose dict names its
-  // format, a checkpoint is a TorchScript archive. Reading is cheap next to loading a model.
+  // format, a checkpoint is a TorchScript archive.
   try {
-    read_weights(path);
-    return true;
+    return read_weights(path);
   } catch (const ExportError&) {
-    return false;
+    return std::nullopt;
   }
 }
 
-models::CapsNet load_model_from_weights(const std::string& path) {
-  auto w = read_weights(path);
+bool is_weights_file(const std::string& path) { return try_read_weights(path).has_value(); }
+
+models::CapsNet load_model_from_weights(const std::string& path) { return model_from_weights(read_weights(path), path); }
+
+models::CapsNet model_from_weights(const ExportedWeights& w, const std::string& path) {
   models::CapsNetConfig config;
   try {
     config = models::CapsNetConfig::from_json(w.config);

@@ -18,6 +18,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
@@ -83,8 +84,14 @@ struct ExportedWeights {
   nlohmann::json card;                          // null when the file has none
 };
 
+/// The weight file at `path`, or nullopt when it is not one (e.g. a training checkpoint).
+std::optional<ExportedWeights> try_read_weights(const std::string& path);
+
 /// True when `path` is a weight file (written by save_weights) rather than a training checkpoint.
 bool is_weights_file(const std::string& path);
+
+/// Builds the model described by weights already read from `path` (named in errors).
+models::CapsNet model_from_weights(const ExportedWeights& weights, const std::string& path);
 
 /// Builds the model described by a weight file and copies its tensors in (converted to fp32; every
 /// name and shape must match). Eval mode. ExportError naming the file otherwise.
