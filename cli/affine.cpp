@@ -18,9 +18,9 @@
 #include "capsnet/data/transforms.h"
 #include "capsnet/models/baseline_cnn.h"
 #include "capsnet/models/capsnet.h"
+#include "capsnet/train/classifier_task.h"
 #include "capsnet/train/metrics.h"
 #include "capsnet/train/runtime.h"
-#include "capsnet/train/trainer.h"
 #include "capsnet/viz/figures.h"
 #include "capsnet/viz/png.h"
 #include "cli/commands.h"
@@ -31,7 +31,6 @@ namespace {
 constexpr int64_t kCanvas = 40;
 
 using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 struct Flags {
   DataFlags data;
@@ -44,138 +43,16 @@ struct Flags {
   int threads = 0;
 };
 
-/// What the experiment needs from a model, whichever it is.
-struct Runner {
-  std::string name;
-  int64_t parameters = 0;
-  nlohmann::json config;
-  std::function<void(bool)> set_training;
-  /// One optimisation step on images [B, 1, 40, 40] and labels [B]; returns (loss, correct).
-  std::function<std::pair<double, int64_t>(const torch::Tensor&, const torch::Tensor&)> step;
-  /// Predicted classes [B] for images [B, 1, 40, 40].
-  std::function<torch::Tensor(const torch::Tensor&)> predict;
-};
-
-Runner capsnet_runner(const Flags& f) {
-  models::CapsNetConfig c;
-  c.image_size = kCanvas;  // primary grid 12x12 -> 4608 capsules; decoder outputs 40*40 = 1600 pixels
-  c.validate();
-  torch::manual_seed(f.seed);
-  models::CapsNet model(c);
-  auto opt = std::make_shared<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(f.lr));
-  Runner r;
-  r.name = "capsnet";
-  r.parameters = models::count_parameters(*model);
-  r.config = c.to_json();
-  r.set_training = [model](bool on) mutable { on ? model->train() : model->eval(); };
-  r.step = [model, opt](const torch::Tensor& images, const torch::Tensor& labels) mutable {
-    auto out = model(images, labels);                // the decoder reconstructs the placed 40x40 image
-    auto loss = model->loss(out, images, labels);    // margin + 0.0005 * SSE
-    opt->zero_grad();
-    loss.total.backward();
-    opt->step();
-    return std::make_pair(loss.total.item<double>(), out.lengths.argmax(1).eq(labels).sum().item<int64_t>());
-  };
-  r.predict = [model](const torch::Tensor& images) mutable { return model(images).lengths.argmax(1); };
-  return r;
-}
-
-Runner cnn_runner(const Flags& f) {
+train::Classifier make_classifier(const std::string& name, const Flags& f) {
+  if (name == "capsnet") {
+    models::CapsNetConfig c;
+    c.image_size = kCanvas;  // primary grid 12x12 -> 4608 capsules; decoder outputs 40*40 = 1600 pixels
+    return train::capsnet_classifier(name, c);
+  }
   models::BaselineCnnConfig c;
   c.image_size = kCanvas;
   c.pooling = !f.cnn_no_pool;
-  c.validate();
-  torch::manual_seed(f.seed);
-  models::BaselineCnn model(c);
-  auto opt = std::make_shared<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(f.lr));
-  Runner r;
-  r.name = "cnn";
-  r.parameters = models::count_parameters(*model);
-  r.config = c.to_json();
-  r.set_training = [model](bool on) mutable { on ? model->train() : model->eval(); };
-  r.step = [model, opt](const torch::Tensor& images, const torch::Tensor& labels) mutable {
-    auto logits = model(images);                // [B, 10]
-    auto loss = model->loss(logits, labels);    // cross-entropy
-    opt->zero_grad();
-    loss.backward();
-    opt->step();
-    return std::make_pair(loss.item<double>(), logits.argmax(1).eq(labels).sum().item<int64_t>());
-  };
-  r.predict = [model](const torch::Tensor& images) mutable { return model(images).argmax(1); };
-  return r;
-}
-
-struct TrainStats {
-  int64_t steps = 0, images = 0;
-  double seconds = 0, final_loss = 0, final_accuracy = 0;  // final_*: mean over the last 10% of steps
-};
-
-/// Trains on MNIST placed at random in the 40x40 canvas. The batch order and placements are functions
-/// of the seed alone, so every model sees exactly the same training images.
-TrainStats train_model(Runner& r, const Flags& f, const data::ImageSet& train_set, train::JsonLinesWriter& metrics) {
-  const int64_t n = train_set.size();
-  auto order_gen = at::make_generator<at::CPUGeneratorImpl>(f.seed * 2 + 1);
-  auto place_gen = at::make_generator<at::CPUGeneratorImpl>(f.seed * 2 + 2);
-  torch::Tensor perm;
-  int64_t cursor = n;
-  TrainStats s;
-  const int64_t tail = std::max<int64_t>(1, f.steps / 10);
-  double tail_loss = 0, win_loss = 0;
-  int64_t tail_correct = 0, tail_seen = 0, win_correct = 0, win_seen = 0, win_steps = 0;
-  r.set_training(true);
-  train::ProgressBar bar(std::cerr, r.name + " train", f.steps, !f.no_progress);
-  for (int64_t step = 0; step < f.steps; ++step) {
-    if (cursor + f.batch_size > n) {  // new epoch: a fresh permutation, the partial tail batch dropped
-      perm = torch::randperm(n, order_gen, torch::kLong);
-      cursor = 0;
-    }
-    auto ids = perm.narrow(0, cursor, f.batch_size);
-    cursor += f.batch_size;
-    auto images = data::place_in_canvas(data::to_float(train_set.images.index_select(0, ids)), kCanvas, f.max_shift,
-                                        place_gen);  // [B, 1, 40, 40]
-    auto labels = train_set.labels.index_select(0, ids);  // [B]
-    const auto t0 = Clock::now();
-    auto [loss, correct] = r.step(images, labels);
-    s.seconds += seconds_since(t0);
-    if (!std::isfinite(loss))
-      throw train::TrainingDiverged(fmt::format("{}: loss is {} at step {}; try a lower --lr", r.name, loss, step));
-    s.steps = step + 1;
-    s.images += f.batch_size;
-    win_loss += loss, win_correct += correct, win_seen += f.batch_size, ++win_steps;
-    if (step >= f.steps - tail) tail_loss += loss, tail_correct += correct, tail_seen += f.batch_size;
-    const double img_s = s.seconds > 0 ? static_cast<double>(s.images) / s.seconds : 0;
-    bar.update(s.steps, fmt::format("loss {:.4f} {:.0f} img/s", loss, img_s));
-    if (s.steps % f.log_every == 0 || s.steps == f.steps) {
-      metrics.write({{"event", "train"},
-                     {"model", r.name},
-                     {"step", s.steps},
-                     {"loss", win_loss / win_steps},
-                     {"accuracy", static_cast<double>(win_correct) / win_seen},
-                     {"images_per_second", img_s}});
-      win_loss = 0, win_correct = win_seen = win_steps = 0;
-    }
-  }
-  s.final_loss = tail_loss / tail;
-  s.final_accuracy = static_cast<double>(tail_correct) / tail_seen;
-  bar.finish(fmt::format("last {} steps: loss {:.4f} acc {:.2f}%", tail, s.final_loss, 100 * s.final_accuracy));
-  r.set_training(false);
-  return s;
-}
-
-double accuracy_on(Runner& r, const data::ImageSet& set, const Flags& f, const std::string& label) {
-  torch::NoGradGuard no_grad;
-  r.set_training(false);
-  int64_t correct = 0;
-  train::ProgressBar bar(std::cerr, r.name + " " + label, set.size(), !f.no_progress);
-  for (int64_t start = 0; start < set.size(); start += f.eval_batch_size) {
-    const int64_t len = std::min(f.eval_batch_size, set.size() - start);
-    auto images = data::to_float(set.images.narrow(0, start, len));  // [len, 1, 40, 40]
-    correct += r.predict(images).eq(set.labels.narrow(0, start, len)).sum().item<int64_t>();
-    bar.update(start + len, "");
-  }
-  const double acc = set.size() ? static_cast<double>(correct) / static_cast<double>(set.size()) : 0.0;
-  bar.finish(fmt::format("accuracy {:.2f}%", 100 * acc));
-  return acc;
+  return train::cnn_classifier(name, c);
 }
 
 /// Rows of centred test digits above their affNIST-style versions: [rows * 42 + 2, 12 * 42 + 2].
@@ -233,15 +110,30 @@ int run(const Flags& f) {
   nlohmann::json results = nlohmann::json::array();
   std::vector<std::string> rows;
   for (const auto& name : names) {
-    Runner r = name == "capsnet" ? capsnet_runner(f) : cnn_runner(f);
-    std::cerr << fmt::format("{}: {} parameters, {} steps of batch {} on 40x40 translated MNIST, {} threads\n", r.name,
-                             r.parameters, f.steps, f.batch_size, at::get_num_threads());
-    metrics.write({{"event", "model"}, {"model", r.name}, {"parameters", r.parameters}, {"config", r.config}});
-    const auto stats = train_model(r, f, train_set, metrics);
+    // MNIST placed at random in the 40x40 canvas; the batch order and placements are functions of the
+    // seed and the step alone, so every model sees exactly the same training images.
+    train::ClassifierTask task(
+        [&f, name] { return make_classifier(name, f); }, train_set.size(), /*shuffle=*/true,
+        [&](const torch::Tensor& ids, at::Generator& gen) {
+          auto images = data::place_in_canvas(data::to_float(train_set.images.index_select(0, ids)), kCanvas,
+                                              f.max_shift, gen);              // [B, 1, 40, 40]
+          return std::make_pair(images, train_set.labels.index_select(0, ids));  // labels [B]
+        },
+        nlohmann::json{{"train_examples", train_set.size()}, {"max_shift", f.max_shift}, {"canvas", kCanvas}});
+    const auto run_dir = f.out_dir + "/" + name;
+    const auto stats = train::run(
+        task, train::comparison_options(run_dir, f.steps, f.batch_size, f.lr, f.seed, f.log_every, !f.no_progress),
+        std::cerr);
+    auto& r = task.classifier();
+    const int64_t parameters = models::count_parameters(*r.module);
+    metrics.write({{"event", "model"}, {"model", r.name}, {"parameters", parameters}, {"config", r.config},
+                   {"run", run_dir}});
     const auto t_eval = Clock::now();
-    const double acc_translated = accuracy_on(r, translated, f, "translated test");
-    const double acc_affine = accuracy_on(r, affine, f, "affNIST-style test");
-    const double eval_seconds = seconds_since(t_eval);
+    std::ostream* progress = f.no_progress ? nullptr : &std::cerr;
+    const double acc_translated =
+        train::classifier_accuracy(r, translated, f.eval_batch_size, progress, "translated test");
+    const double acc_affine = train::classifier_accuracy(r, affine, f.eval_batch_size, progress, "affNIST-style test");
+    const double eval_seconds = train::seconds_since(t_eval);
     for (const auto& [split, acc] : {std::pair<std::string, double>{"translated_mnist", acc_translated},
                                      std::pair<std::string, double>{"affnist_style", acc_affine}})
       metrics.write({{"event", "eval"},
@@ -251,19 +143,20 @@ int run(const Flags& f) {
                      {"error", 1 - acc},
                      {"examples", test_set.size()}});
     results.push_back({{"model", r.name},
-                       {"parameters", r.parameters},
+                       {"parameters", parameters},
                        {"config", r.config},
-                       {"steps", stats.steps},
+                       {"steps", stats.end_step},
                        {"training_images_seen", stats.images},
                        {"train_seconds", stats.seconds},
-                       {"train_images_per_second", stats.seconds > 0 ? stats.images / stats.seconds : 0.0},
-                       {"final_train_loss", stats.final_loss},
-                       {"final_train_accuracy", stats.final_accuracy},
+                       {"train_images_per_second", stats.images_per_second},
+                       {"final_train_loss", train::tail_mean(stats.losses)},
+                       {"final_train_accuracy", train::tail_mean(stats.accuracies)},
+                       {"run", run_dir},
                        {"translated_mnist_accuracy", acc_translated},
                        {"affnist_style_accuracy", acc_affine},
                        {"eval_seconds", eval_seconds}});
-    rows.push_back(fmt::format("{:<8} {:>11} {:>6} {:>8} {:>8.1f} {:>13.2f}% {:>17.2f}%", r.name, r.parameters,
-                               stats.steps, stats.images, stats.seconds, 100 * acc_translated, 100 * acc_affine));
+    rows.push_back(fmt::format("{:<8} {:>11} {:>6} {:>8} {:>8.1f} {:>13.2f}% {:>17.2f}%", r.name, parameters,
+                               stats.end_step, stats.images, stats.seconds, 100 * acc_translated, 100 * acc_affine));
   }
   metrics.write({{"event", "end"}});
 

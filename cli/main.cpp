@@ -88,7 +88,10 @@ int main(int argc, char** argv) {
     for (const auto& c : commands)
       if (c.app->parsed()) return c.run();
   } catch (const capsnet::train::TrainingDiverged& e) {
-    std::cerr << "\ncapsnet: training diverged: " << e.what() << '\n';
+    // The library names the option field; the command line knows it as a flag.
+    std::string msg = e.what();
+    if (auto at = msg.find("(lr)"); at != std::string::npos) msg.replace(at, 4, "(--lr)");
+    std::cerr << "\ncapsnet: training diverged: " << msg << '\n';
     return kExitDiverged;
   } catch (const c10::Error& e) {
     // LibTorch errors carry a C++ backtrace: one line by default, everything with --verbose.

@@ -14,11 +14,11 @@
 #include "capsnet/data/distorted.h"
 #include "capsnet/data/mnist.h"
 #include "capsnet/data/transforms.h"
+#include "capsnet/train/classifier_task.h"
 #include "capsnet/train/metrics.h"
 #include "capsnet/train/runtime.h"
 #include "capsnet/viz/figures.h"
 #include "capsnet/viz/png.h"
-#include "cli/classifier_runner.h"
 #include "cli/commands.h"
 
 namespace capsnet::cli {
@@ -27,7 +27,6 @@ namespace {
 constexpr int64_t kCanvas = data::kDistortedCanvas;
 
 using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 struct Flags {
   DataFlags data;
@@ -47,26 +46,26 @@ struct RunSpec {
   std::string name() const { return model + (stn ? "+stn" : ""); }
 };
 
-ClassifierRunner make_runner(const RunSpec& spec, const Flags& f) {
+train::Classifier make_classifier(const RunSpec& spec, const Flags& f) {
   if (spec.model == "capsnet") {
     models::CapsNetConfig c;
     c.image_size = kCanvas;  // primary grid 13x13
     if (f.small) c.conv1_channels = 64, c.primary_types = 16;
     c.stn = spec.stn;
-    return capsnet_classifier(spec.name(), c, f.lr, f.seed);
+    return train::capsnet_classifier(spec.name(), c);
   }
   models::BaselineCnnConfig c;
   c.image_size = kCanvas;
   if (f.small) c.conv1_channels = 64, c.conv2_channels = 64, c.conv3_channels = 32;
   c.stn = spec.stn;
-  return cnn_classifier(spec.name(), c, f.lr, f.seed);
+  return train::cnn_classifier(spec.name(), c);
 }
 
 /// Per-run summary of the learnt transforms on the test images: mean |theta - identity| (all six
 /// entries) and the mean determinant of theta's linear part (< 1: the STN zooms in).
-nlohmann::json theta_stats(ClassifierRunner& r, const data::ImageSet& set, int64_t batch_size) {
+nlohmann::json theta_stats(train::Classifier& r, const data::ImageSet& set, int64_t batch_size) {
   torch::NoGradGuard no_grad;
-  r.set_training(false);
+  r.module->eval();
   double dev = 0, det = 0;
   for (int64_t start = 0; start < set.size(); start += batch_size) {
     const int64_t len = std::min(batch_size, set.size() - start);
@@ -81,7 +80,7 @@ nlohmann::json theta_stats(ClassifierRunner& r, const data::ImageSet& set, int64
 
 /// Rows of (input | STN output) pairs of the first `count` test images, 6 pairs per row; one block per
 /// STN run, top to bottom in run order, separated by a blank row.
-torch::Tensor transforms_figure(std::vector<ClassifierRunner*>& runs, const data::ImageSet& set, int64_t count) {
+torch::Tensor transforms_figure(std::vector<train::Classifier*>& runs, const data::ImageSet& set, int64_t count) {
   torch::NoGradGuard no_grad;
   constexpr int64_t kPairs = 6;
   count = std::min(count, set.size());
@@ -91,7 +90,7 @@ torch::Tensor transforms_figure(std::vector<ClassifierRunner*>& runs, const data
   for (size_t k = 0; k < runs.size(); ++k) {
     if (k > 0)
       for (int64_t c = 0; c < 2 * kPairs; ++c) tiles.push_back(blank);
-    runs[k]->set_training(false);
+    runs[k]->module->eval();
     const auto out = runs[k]->transformer(images).output.clamp(0, 1);  // [count, 1, 42, 42]
     for (int64_t row = 0; row * kPairs < count; ++row)
       for (int64_t i = row * kPairs; i < (row + 1) * kPairs; ++i) {
@@ -155,42 +154,55 @@ int run(const Flags& f) {
     return std::make_pair(b.images, b.labels);  // [B, 1, 42, 42], [B]
   };
 
-  std::vector<std::unique_ptr<ClassifierRunner>> runners;
+  std::vector<std::unique_ptr<train::ClassifierTask>> tasks;
   nlohmann::json results = nlohmann::json::array();
   for (const auto& spec : specs) {
-    runners.push_back(std::make_unique<ClassifierRunner>(make_runner(spec, f)));
-    auto& r = *runners.back();
-    std::cerr << fmt::format("{}: {} parameters, {} steps of batch {} on 42x42 distorted MNIST, {} threads\n", r.name,
-                             r.parameters, f.steps, f.batch_size, at::get_num_threads());
-    metrics.write({{"event", "model"}, {"model", r.name}, {"parameters", r.parameters}, {"config", r.config}});
-    const auto stats = run_training(r, f.steps, batch, f.log_every, !f.no_progress, metrics);
+    // Every run sees the same training stream: step s is examples s*B .. s*B + B - 1 of (seed, n).
+    tasks.push_back(std::make_unique<train::ClassifierTask>(
+        [&f, spec] { return make_classifier(spec, f); }, train_set.size(), /*shuffle=*/false,
+        [&](const torch::Tensor& ids, at::Generator&) {
+          auto b = data::distorted_batch(train_set, f.seed, ids[0].item<int64_t>(), ids.size(0), kCanvas, ranges);
+          return std::make_pair(b.images, b.labels);  // [B, 1, 42, 42], [B]
+        },
+        nlohmann::json{{"train_examples", train_set.size()}, {"canvas", kCanvas}}));
+    auto& task = *tasks.back();
+    const auto run_dir = f.out_dir + "/" + spec.name();
+    const auto trained = train::run(
+        task, train::comparison_options(run_dir, f.steps, f.batch_size, f.lr, f.seed, f.log_every, !f.no_progress),
+        std::cerr);
+    auto& r = task.classifier();
+    const int64_t parameters = models::count_parameters(*r.module);
+    metrics.write({{"event", "model"}, {"model", r.name}, {"parameters", parameters}, {"config", r.config},
+                   {"run", run_dir}});
     const auto t_eval = Clock::now();
-    const double acc = classifier_accuracy(r, test_set, f.eval_batch_size, !f.no_progress, "distorted test");
-    const double eval_seconds = seconds_since(t_eval);
+    const double acc = train::classifier_accuracy(r, test_set, f.eval_batch_size, f.no_progress ? nullptr : &std::cerr,
+                                                  "distorted test");
+    const double eval_seconds = train::seconds_since(t_eval);
     metrics.write({{"event", "eval"}, {"model", r.name}, {"split", "distorted_mnist"}, {"accuracy", acc},
                    {"error", 1 - acc}, {"examples", test_set.size()}});
     nlohmann::json row = {{"model", spec.model},
                           {"name", r.name},
                           {"stn", spec.stn},
-                          {"parameters", r.parameters},
+                          {"parameters", parameters},
                           {"config", r.config},
-                          {"steps", stats.steps},
-                          {"training_images_seen", stats.images},
-                          {"train_seconds", stats.seconds},
-                          {"train_images_per_second", stats.seconds > 0 ? stats.images / stats.seconds : 0.0},
-                          {"final_train_loss", stats.final_loss},
-                          {"final_train_accuracy", stats.final_accuracy},
+                          {"steps", trained.end_step},
+                          {"training_images_seen", trained.images},
+                          {"train_seconds", trained.seconds},
+                          {"train_images_per_second", trained.images_per_second},
+                          {"final_train_loss", train::tail_mean(trained.losses)},
+                          {"final_train_accuracy", train::tail_mean(trained.accuracies)},
                           {"test_accuracy", acc},
                           {"test_error", 1 - acc},
-                          {"eval_seconds", eval_seconds}};
+                          {"eval_seconds", eval_seconds},
+                          {"run", run_dir}};
     if (r.transformer) row["theta"] = theta_stats(r, test_set, f.eval_batch_size);
     results.push_back(row);
   }
   metrics.write({{"event", "end"}});
 
-  std::vector<ClassifierRunner*> stn_runs;
-  for (auto& r : runners)
-    if (r->transformer) stn_runs.push_back(r.get());
+  std::vector<train::Classifier*> stn_runs;
+  for (auto& t : tasks)
+    if (t->classifier().transformer) stn_runs.push_back(&t->classifier());
   std::string figure_path;
   if (!stn_runs.empty()) {
     figure_path = f.out_dir + "/stn_transforms.png";

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <chrono>
 #include <fstream>
 #include <iostream>
@@ -256,6 +258,31 @@ TEST_F(DistributedCliTest, TwoProcessesMatchOneProcessWithTheSameGlobalBatch) {
   int starts = 0;
   for (std::string line; std::getline(metrics, line);) starts += line.find("\"event\":\"start\"") != std::string::npos;
   EXPECT_EQ(starts, 1);
+}
+
+// A second Task on the same loop: MultiMNIST with --nproc 2 ends where one process does.
+TEST_F(DistributedCliTest, MultiMnistTwoProcessesMatchOneProcess) {
+  auto command = [](const std::string& out, const std::string& extra) {
+    return fmt::format("{} multimnist --data {} --out {} --steps 3 --batch-size 5 --test-size 4 --conv1-channels 8 "
+                       "--primary-types 4 --routing-iters 2 --figure-correct 0 --figure-wrong 0 --no-progress "
+                       "--threads 2 --seed 3 {}",
+                       kCli, *dir_ / "data", *dir_ / out, extra);
+  };
+  auto one = testing::run_command(command("mm_one", ""));
+  ASSERT_EQ(one.status, 0) << one.output;
+  auto two = testing::run_command(command("mm_two", "--nproc 2"));
+  ASSERT_EQ(two.status, 0) << two.output;
+  EXPECT_NE(two.output.find("data parallel: 2 processes"), std::string::npos) << two.output;
+  const auto w1 = weights(*dir_ / "mm_one/checkpoint.pt"), w2 = weights(*dir_ / "mm_two/checkpoint.pt");
+  const double same = max_abs_diff(w1, w2);
+  std::cout << fmt::format("[ measured ] multimnist: max |w(1 proc) - w(2 procs)| = {:.3g}\n", same);
+  EXPECT_LT(same, 1e-4) << "2 processes vs 1";
+  // Only rank 0 writes the summary, from the same evaluation.
+  std::ifstream a(*dir_ / "mm_one/multimnist.json"), b(*dir_ / "mm_two/multimnist.json");
+  auto ja = nlohmann::json::parse(a), jb = nlohmann::json::parse(b);
+  EXPECT_EQ(ja["steps"], 3);
+  EXPECT_EQ(jb["steps"], 3);
+  EXPECT_EQ(ja["test_examples"], jb["test_examples"]);
 }
 
 TEST_F(DistributedCliTest, LauncherStopsTheJobWhenARankDies) {

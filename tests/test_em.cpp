@@ -396,7 +396,7 @@ TEST(EmCli, TrainsAndEvaluatesOnGeneratedIdx) {
   EXPECT_GE(j["test_accuracy"].get<double>(), 0.0);
   EXPECT_LE(j["test_accuracy"].get<double>(), 1.0);
   EXPECT_EQ(j["model"]["routing_iterations"], 2);
-  EXPECT_TRUE(std::filesystem::exists(out + "/model.pt"));
+  EXPECT_TRUE(std::filesystem::exists(out + "/checkpoint.pt"));
   std::ifstream metrics(out + "/metrics.jsonl");
   int lines = 0;
   bool saw_eval = false;
@@ -406,7 +406,7 @@ TEST(EmCli, TrainsAndEvaluatesOnGeneratedIdx) {
   EXPECT_TRUE(saw_eval);
 
   auto bad = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "missing") + " --out " + out +
-                                  " --steps 1 --no-progress");
+                                  " --steps 1 --no-progress --overwrite");
   EXPECT_NE(bad.status, 0);
   EXPECT_NE(bad.output.find("missing"), std::string::npos) << bad.output;
   auto bad_size = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "data") + " --out " + out +

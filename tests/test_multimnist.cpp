@@ -351,6 +351,54 @@ TEST(MultiMnistTrainTest, TrainWritesMetricsCheckpointAndEvaluates) {
   EXPECT_THROW(train::train_multimnist(o, s.train_pairs, nullptr, log), std::invalid_argument);
 }
 
+// MultiMNIST runs on the one loop, so it resumes exactly like `capsnet train`: 2 steps, a checkpoint,
+// then 3 more from it give the losses and weights of 5 uninterrupted steps, bit for bit.
+TEST(MultiMnistTrainTest, ResumeReproducesTheUninterruptedRunExactly) {
+  OneThread one_thread;
+  TinySetup s;
+  TempDir dir;
+  std::ostringstream log;
+  auto options = [&](const std::string& out, int64_t steps) {
+    train::MultiMnistTrainOptions o;
+    o.model = s.config;
+    o.out_dir = dir / out;
+    o.steps = steps;
+    o.batch_size = 6;
+    o.lr = 3e-3;
+    o.seed = 5;
+    o.test_size = 0;
+    o.progress = false;
+    return o;
+  };
+  auto full = train::train_multimnist(options("full", 5), s.train_pairs, nullptr, log);
+  auto first = train::train_multimnist(options("part", 2), s.train_pairs, nullptr, log);
+  auto rest_options = options("rest", 5);
+  rest_options.resume = first.checkpoint;
+  auto rest = train::train_multimnist(rest_options, s.train_pairs, nullptr, log);
+  ASSERT_EQ(full.losses.size(), 5u);
+  ASSERT_EQ(rest.losses.size(), 3u);
+  EXPECT_EQ(rest.steps, 5);
+  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(first.losses[i], full.losses[i]) << "step " << i;
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(rest.losses[i], full.losses[i + 2]) << "step " << i + 2;
+  auto a = train::load_model(full.checkpoint), b = train::load_model(rest.checkpoint);
+  auto pa = a->parameters(), pb = b->parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::equal(pa[i], pb[i])) << "parameter " << i;
+
+  // A resume with options that change the batch sequence is refused by name.
+  auto changed = options("changed", 5);
+  changed.resume = first.checkpoint;
+  changed.batch_size = 7;
+  EXPECT_NE(error_of([&] { train::train_multimnist(changed, s.train_pairs, nullptr, log); }).find("batch_size"),
+            std::string::npos);
+  // So is a checkpoint of another task's model.
+  auto other = options("other", 5);
+  other.resume = first.checkpoint;
+  other.model.routing_iterations = s.config.routing_iterations + 1;
+  EXPECT_NE(error_of([&] { train::train_multimnist(other, s.train_pairs, nullptr, log); }).find("does not match"),
+            std::string::npos);
+}
+
 TEST(MultiMnistVizTest, PanelAndFigureHaveTheDocumentedSizeAndDecode) {
   OneThread one_thread;
   auto image = torch::rand({36, 36}), recs = torch::rand({2, 36, 36});

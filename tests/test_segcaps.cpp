@@ -400,18 +400,20 @@ TEST(SegCapsCli, TrainsEvaluatesAndWritesOutputs) {
   EXPECT_GT(j["baseline"]["test_dice"].get<double>(), 0.0);
   EXPECT_EQ(j["model"]["image_size"], 28);
   EXPECT_TRUE(std::filesystem::exists(out + "/segcaps.png"));
-  EXPECT_TRUE(std::filesystem::exists(out + "/model.pt"));
+  EXPECT_TRUE(std::filesystem::exists(out + "/checkpoint.pt"));
+  // The one loop's format: start, three "train" records (--log-every 1), the checkpoint at the end,
+  // the test set's "eval" record with the Dice, end.
   std::ifstream metrics(out + "/metrics.jsonl");
-  int lines = 0;
-  for (std::string line; std::getline(metrics, line);) ++lines;
-  EXPECT_EQ(lines, 4);  // three training records and the test record
+  std::vector<std::string> events;
+  for (std::string line; std::getline(metrics, line);) events.push_back(nlohmann::json::parse(line)["event"]);
+  EXPECT_EQ(events, (std::vector<std::string>{"start", "train", "train", "train", "checkpoint", "eval", "end"}));
 
   // A spent --max-minutes budget stops training after the first step and still evaluates.
   r = capsnet::testing::run_command(kCli + " segcaps --data " + (dir / "data") + " --out " + out +
                                     " --steps 50 --max-minutes 1e-6 --batch-size 2 --test-size 2 --canvas 28 --types 2"
-                                    " --stem-channels 4 --figure-rows 0 --no-progress --threads 1");
+                                    " --stem-channels 4 --figure-rows 0 --no-progress --threads 1 --overwrite");
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("stopping after 1 of 50 steps"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("stopping after step 1 of 50"), std::string::npos) << r.output;
   std::ifstream in2(out + "/segcaps.json");
   auto j2 = nlohmann::json::parse(in2);
   EXPECT_EQ(j2["steps"], 1);

@@ -136,7 +136,7 @@ TEST(TrainerTest, DivergenceStopsWithClearErrorAndKeepsLastGoodCheckpoint) {
   } catch (const train::TrainingDiverged& e) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find("step"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("lower --lr"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("lower learning rate"), std::string::npos) << msg;
   }
   // Whatever checkpoint exists is loadable and finite.
   const auto ckpt = train::checkpoint_path(o.out_dir);
@@ -181,16 +181,16 @@ TEST(TrainerTest, InvalidOptionsAreRejectedByName) {
   base.max_steps = 1;
   auto o = base;
   o.batch_size = 0;
-  expect_invalid(o, "batch size");
+  expect_invalid(o, "batch_size");
   o = base;
   o.lr = -1;
-  expect_invalid(o, "learning rate");
+  expect_invalid(o, "lr must be");
   o = base;
   o.lr_decay = 1.5;
-  expect_invalid(o, "lr decay");
+  expect_invalid(o, "lr_decay");
   o = base;
   o.max_shift = 12;
-  expect_invalid(o, "max shift");
+  expect_invalid(o, "max_shift");
   o = base;
   o.model.image_size = 28;  // data is 12x12
   expect_invalid(o, "model expects");

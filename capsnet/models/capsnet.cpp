@@ -163,6 +163,14 @@ CapsNetLoss CapsNetImpl::loss(const CapsNetOutput& out, const torch::Tensor& ima
   return l;
 }
 
+bool same_config(const nlohmann::json& stored, const CapsNetConfig& config) {
+  try {
+    return CapsNetConfig::from_json(stored).to_json() == config.to_json();
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 int64_t count_parameters(const torch::nn::Module& module) {
   int64_t n = 0;
   for (const auto& p : module.parameters()) n += p.numel();

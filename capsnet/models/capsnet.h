@@ -85,6 +85,11 @@ class CapsNetImpl : public torch::nn::Cloneable<CapsNetImpl> {
 };
 TORCH_MODULE(CapsNet);
 
+/// Whether a stored config (e.g. a checkpoint's) describes `config`. Compared through from_json: a
+/// checkpoint written before a field existed stores no key for it, which means the field's default.
+/// A config that does not parse does not match.
+bool same_config(const nlohmann::json& stored, const CapsNetConfig& config);
+
 /// Number of trainable scalars in a module.
 int64_t count_parameters(const torch::nn::Module& module);
 

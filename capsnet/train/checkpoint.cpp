@@ -180,6 +180,11 @@ void open_payload(const std::string& path, torch::serialize::InputArchive& outer
 
 void save_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer,
                      const CheckpointMeta& meta) {
+  save_checkpoint(path, *model, optimizer, meta);
+}
+
+void save_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                     const CheckpointMeta& meta) {
   nlohmann::json j = {{"format", kFormat},
                       {"version", kVersion},
                       {"step", meta.step},
@@ -190,7 +195,7 @@ void save_checkpoint(const std::string& path, models::CapsNet& model, torch::opt
   torch::serialize::OutputArchive payload;
   payload.write("meta", c10::IValue(j.dump()));
   torch::serialize::OutputArchive model_archive;
-  model->save(model_archive);
+  model.save(model_archive);
   payload.write("model", model_archive);
   if (optimizer) {
     torch::serialize::OutputArchive optimizer_archive;
@@ -222,27 +227,26 @@ CheckpointMeta read_checkpoint_meta(const std::string& path) {
 }
 
 CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer) {
+  const auto config = model->config;
+  return load_checkpoint(path, *model, optimizer,
+                         [&](const nlohmann::json& saved) { return models::same_config(saved, config); });
+}
+
+CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                               const std::function<bool(const nlohmann::json&)>& config_matches) {
   auto outer = open_archive(path);
   const auto parsed = parse_meta(path, outer);
   const auto& meta = parsed.meta;
   torch::serialize::InputArchive payload;
   if (parsed.version >= 2) open_payload(path, outer, parsed, payload);
   auto& archive = parsed.version >= 2 ? payload : outer;
-  // Compared through from_json: a checkpoint written before a config field existed stores no key for
-  // it, which means the field's default (e.g. "stn": false).
-  nlohmann::json saved_config;
-  try {
-    saved_config = models::CapsNetConfig::from_json(meta.model_config).to_json();
-  } catch (const std::exception& e) {
-    throw CheckpointError(fmt::format("checkpoint {}: bad model config: {}", path, e.what()));
-  }
-  if (saved_config != model->config.to_json())
-    throw CheckpointError(fmt::format("checkpoint {}: model config {} does not match the model being loaded {}",
-                                      path, meta.model_config.dump(), model->config.to_json().dump()));
+  if (!config_matches(meta.model_config))
+    throw CheckpointError(fmt::format("checkpoint {}: its model config {} does not match the model being loaded",
+                                      path, meta.model_config.dump()));
   try {
     torch::serialize::InputArchive model_archive;
     archive.read("model", model_archive);
-    model->load(model_archive);
+    model.load(model_archive);
     if (optimizer) {
       torch::serialize::InputArchive optimizer_archive;
       if (!archive.try_read("optimizer", optimizer_archive))

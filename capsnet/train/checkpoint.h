@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <functional>
 #include <string>
 
 #include "capsnet/models/capsnet.h"
@@ -25,6 +26,8 @@ struct CheckpointMeta {
 };
 
 /// Writes model, optimizer state (when given), the default CPU generator state and meta to `path`.
+void save_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                     const CheckpointMeta& meta);
 void save_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer,
                      const CheckpointMeta& meta);
 
@@ -34,6 +37,9 @@ CheckpointMeta read_checkpoint_meta(const std::string& path);
 /// Restores model weights, optimizer state (when given) and the generator state; returns the meta.
 /// The model must have been built with the checkpoint's model config.
 CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer);
+/// Any module: `config_matches` says whether the stored model config describes `model` (CheckpointError if not).
+CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                               const std::function<bool(const nlohmann::json&)>& config_matches);
 
 /// Builds the model described by the checkpoint and loads its weights (for eval / predict).
 /// Also accepts a weight file written by save_weights (export.h), e.g. the shipped model.

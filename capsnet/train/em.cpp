@@ -5,21 +5,16 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <filesystem>
-#include <numeric>
-#include <random>
 #include <stdexcept>
 
 #include "capsnet/models/capsnet.h"
 #include "capsnet/nn/em_routing.h"
 #include "capsnet/train/metrics.h"
-#include "capsnet/train/trainer.h"
 
 namespace capsnet::train {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 }  // namespace
 
@@ -29,23 +24,20 @@ void EmTrainOptions::validate() const {
     if (v < 1) throw std::invalid_argument(fmt::format("em: {} must be >= 1, got {}", name, v));
   };
   positive(steps, "steps");
-  positive(batch_size, "batch_size");
   positive(eval_batch_size, "eval_batch_size");
-  positive(log_every, "log_every");
-  if (!(lr > 0)) throw std::invalid_argument(fmt::format("em: lr must be > 0, got {}", lr));
-  if (!(weight_decay >= 0)) throw std::invalid_argument(fmt::format("em: weight_decay must be >= 0, got {}", weight_decay));
+  loop_options().validate();
   if (!(margin_start >= 0) || !(margin_end >= 0))
     throw std::invalid_argument(fmt::format("em: margins must be >= 0, got {} and {}", margin_start, margin_end));
   if (train_size < 0) throw std::invalid_argument(fmt::format("em: train_size must be >= 0, got {}", train_size));
   if (test_size < 0) throw std::invalid_argument(fmt::format("em: test_size must be >= 0, got {}", test_size));
-  if (out_dir.empty()) throw std::invalid_argument("em: out_dir must not be empty");
 }
 
 nlohmann::json EmTrainOptions::to_json() const {
   return {{"out_dir", out_dir},           {"steps", steps},         {"batch_size", batch_size},
           {"lr", lr},                     {"weight_decay", weight_decay}, {"margin_start", margin_start},
           {"margin_end", margin_end},     {"seed", seed},           {"train_size", train_size},
-          {"test_size", test_size},       {"eval_batch_size", eval_batch_size}, {"log_every", log_every}};
+          {"test_size", test_size},       {"eval_batch_size", eval_batch_size}, {"log_every", log_every},
+          {"checkpoint_every", checkpoint_every}};
 }
 
 torch::Tensor to_input(const torch::Tensor& images) {
@@ -81,129 +73,112 @@ EmEval evaluate_em(models::MatrixCapsNet& model, const data::ImageSet& set, int6
   return r;
 }
 
+namespace {
+
+/// Matrix capsules with EM routing as a Task: shuffled MNIST, the spread loss with its margin
+/// annealed linearly over the run's steps.
+class EmTask : public Task {
+ public:
+  EmTask(const EmTrainOptions& o, const data::ImageSet& train_set, const data::ImageSet* test_set)
+      : o_(o), train_(train_set), test_(test_set) {}
+
+  std::string name() const override { return "em"; }
+  std::shared_ptr<torch::nn::Module> build_model(nn::Precision precision) override {
+    if (precision != nn::Precision::kFloat32)
+      throw std::invalid_argument("em: the matrix-capsule network computes in fp32 only (precision)");
+    model_ = models::MatrixCapsNet(o_.model);
+    return model_.ptr();
+  }
+  nlohmann::json model_config() const override { return o_.model.to_json(); }
+  nlohmann::json data_config() const override {
+    return {{"train_examples", train_.size()}, {"margin_start", o_.margin_start}, {"margin_end", o_.margin_end}};
+  }
+  std::string describe() const override {
+    const auto sides = o_.model.grid_sides();
+    return fmt::format("matrix capsules (EM routing): A={} B={} C={} D={}, capsule grids {}x{} -> {}x{} -> {}x{}, {} "
+                       "routing iterations",
+                       o_.model.conv1_channels, o_.model.primary_types, o_.model.conv1_caps_types,
+                       o_.model.conv2_caps_types, sides[0], sides[0], sides[1], sides[1], sides[2], sides[2],
+                       o_.model.routing_iterations);
+  }
+  int64_t epoch_size() const override { return train_.size(); }
+  void begin_step(int64_t step, int64_t total_steps) override {
+    margin_ = spread_margin(step, total_steps, o_.margin_start, o_.margin_end);
+  }
+  Batch batch(const torch::Tensor& ids, at::Generator&) const override {
+    return {{to_input(train_.images.index_select(0, ids)), train_.labels.index_select(0, ids)}};  // [B,1,S,S], [B]
+  }
+  TaskLoss loss(const Batch& rows) override {
+    const auto& labels = rows[1];
+    auto out = model_->forward(rows[0]);  // activations: [B, classes]
+    auto loss = spread_loss(out.activations, labels, margin_);
+    auto accuracy = out.activations.detach().argmax(1).eq(labels).to(torch::kFloat64).mean();
+    return {loss, {{"margin", torch::tensor(margin_, torch::kFloat64)}, {"accuracy", accuracy}}};
+  }
+  std::optional<Evaluation> evaluate(std::ostream* progress) override {
+    if (!test_ || o_.test_size == 0) return std::nullopt;
+    last_ = evaluate_em(model_, *test_, o_.test_size, o_.eval_batch_size, o_.margin_end, progress);
+    const auto& r = last_;
+    return Evaluation{{{"accuracy", r.accuracy},
+                       {"error", 1 - r.accuracy},
+                       {"loss", r.loss},
+                       {"examples", r.examples},
+                       {"seconds", r.seconds}},
+                      fmt::format("test accuracy {:.2f}% ({} images)", 100 * r.accuracy, r.examples)};
+  }
+
+  EmEval last_;
+
+ private:
+  const EmTrainOptions& o_;
+  const data::ImageSet& train_;
+  const data::ImageSet* test_;
+  models::MatrixCapsNet model_{nullptr};
+  double margin_ = 0;
+};
+
+}  // namespace
+
+LoopOptions EmTrainOptions::loop_options() const {
+  LoopOptions l;
+  l.out_dir = out_dir;
+  l.epochs = 0;
+  l.max_steps = steps;
+  l.batch_size = batch_size;
+  l.lr = lr;
+  l.lr_decay = 1;  // the paper anneals the margin, not the learning rate
+  l.weight_decay = weight_decay;
+  l.seed = seed;
+  l.checkpoint_every = checkpoint_every;
+  l.log_every = log_every;
+  l.evaluate_each_epoch = false;
+  l.resume = resume;
+  l.progress = progress;
+  return l;
+}
+
 EmTrainResult train_em(const EmTrainOptions& options, const data::ImageSet& train_full, const data::ImageSet* test_set,
-                       std::ostream& log) {
+                       std::ostream& log, std::shared_ptr<ProcessGroup> group) {
   options.validate();
   const auto train_set = data::take(train_full, options.train_size);
   if (train_set.images.size(1) != options.model.image_size || train_set.images.size(2) != options.model.image_size)
     throw std::invalid_argument(fmt::format("em: the images are {}x{}, the model takes {}x{}",
                                             train_set.images.size(1), train_set.images.size(2),
                                             options.model.image_size, options.model.image_size));
-  std::filesystem::create_directories(options.out_dir);
-  torch::manual_seed(options.seed);
-  models::MatrixCapsNet model(options.model);
-  model->train();
-  torch::optim::Adam optimizer(model->parameters(),
-                               torch::optim::AdamOptions(options.lr).weight_decay(options.weight_decay));
-  JsonLinesWriter metrics(options.out_dir + "/metrics.jsonl", /*truncate=*/true);
-  const int64_t parameters = models::count_parameters(*model);
-  metrics.write({{"event", "start"},
-                 {"step", 0},
-                 {"model", options.model.to_json()},
-                 {"train", options.to_json()},
-                 {"train_examples", train_set.size()},
-                 {"parameters", parameters},
-                 {"threads", at::get_num_threads()}});
-  const auto sides = options.model.grid_sides();
-  log << fmt::format(
-      "matrix capsules (EM routing): {} parameters, A={} B={} C={} D={}, capsule grids {}x{} -> {}x{} -> {}x{}, {} "
-      "routing iterations, batch {}, {} steps on {} training examples, {} threads\n",
-      parameters, options.model.conv1_channels, options.model.primary_types, options.model.conv1_caps_types,
-      options.model.conv2_caps_types, sides[0], sides[0], sides[1], sides[1], sides[2], sides[2],
-      options.model.routing_iterations, options.batch_size, options.steps, train_set.size(), at::get_num_threads());
-
-  // Example order: a seeded permutation per epoch (std::mt19937_64: the same on every LibTorch version).
-  std::mt19937_64 rng(options.seed);
-  std::vector<int64_t> order(static_cast<size_t>(train_set.size()));
-  size_t cursor = order.size();
-  auto next_batch = [&](int64_t B) {
-    std::vector<int64_t> idx;
-    idx.reserve(static_cast<size_t>(B));
-    while (static_cast<int64_t>(idx.size()) < B) {
-      if (cursor == order.size()) {
-        std::iota(order.begin(), order.end(), int64_t{0});
-        std::shuffle(order.begin(), order.end(), rng);
-        cursor = 0;
-      }
-      idx.push_back(order[cursor++]);
-    }
-    return torch::tensor(idx, torch::kLong);
-  };
-
+  EmTask task(options, train_set, test_set);
+  auto r = run(task, options.loop_options(), log, std::move(group));
   EmTrainResult result;
-  ProgressBar bar(std::cerr, "em", options.steps, options.progress);
-  double win_loss = 0, run_loss = 0;
-  int64_t win_correct = 0, win_seen = 0, win_steps = 0, run_correct = 0;
-  double margin = options.margin_start;
-  for (int64_t step = 0; step < options.steps; ++step) {
-    const auto t0 = Clock::now();
-    margin = spread_margin(step, options.steps, options.margin_start, options.margin_end);
-    auto idx = next_batch(options.batch_size);
-    auto images = to_input(train_set.images.index_select(0, idx));  // [B, 1, S, S]
-    auto labels = train_set.labels.index_select(0, idx);            // [B]
-    auto out = model->forward(images);
-    auto loss = spread_loss(out.activations, labels, margin);
-    const double loss_value = loss.item<double>();
-    if (!std::isfinite(loss_value))
-      throw TrainingDiverged(fmt::format("em: loss is {} at step {}; stopping. Try a lower --lr.", loss_value, step));
-    optimizer.zero_grad();
-    loss.backward();
-    optimizer.step();
-
-    const int64_t correct = out.activations.detach().argmax(1).eq(labels).sum().item<int64_t>();
-    const int64_t B = options.batch_size;
-    result.seconds += seconds_since(t0);
-    result.images_seen += B;
-    result.steps = step + 1;
-    result.losses.push_back(loss_value);
-    win_loss += loss_value;
-    win_correct += correct;
-    win_seen += B;
-    ++win_steps;
-    run_loss += loss_value;
-    run_correct += correct;
-    const double img_s = result.images_seen / result.seconds;
-    bar.update(step + 1, fmt::format("loss {:.4f} m {:.2f} acc {:.1f}% {:.0f} img/s", run_loss / (step + 1), margin,
-                                     100.0 * run_correct / result.images_seen, img_s));
-    if ((step + 1) % options.log_every == 0 || step + 1 == options.steps) {
-      result.final_train_accuracy = double(win_correct) / win_seen;
-      metrics.write({{"event", "train"},
-                     {"step", step + 1},
-                     {"images_seen", result.images_seen},
-                     {"loss", win_loss / win_steps},
-                     {"margin", margin},
-                     {"accuracy", result.final_train_accuracy},
-                     {"images_per_second", img_s}});
-      win_loss = 0;
-      win_correct = win_seen = win_steps = 0;
-    }
-  }
-  result.images_per_second = result.seconds > 0 ? result.images_seen / result.seconds : 0;
-  bar.finish(fmt::format("loss {:.4f} acc {:.1f}% {:.0f} img/s", run_loss / options.steps,
-                         100.0 * run_correct / result.images_seen, result.images_per_second));
-  log << fmt::format("trained {} steps ({} images) in {:.1f} s ({:.1f} img/s), mean spread loss {:.4f}, training "
-                     "accuracy {:.2f}% (on the fly)\n",
-                     result.steps, result.images_seen, result.seconds, result.images_per_second,
-                     run_loss / options.steps, 100.0 * run_correct / result.images_seen);
-  result.model_path = options.out_dir + "/model.pt";
-  torch::save(model, result.model_path);
-
-  if (test_set && options.test_size > 0) {
-    result.test = evaluate_em(model, *test_set, options.test_size, options.eval_batch_size, options.margin_end,
-                              options.progress ? &std::cerr : nullptr);
-    metrics.write({{"event", "eval"},
-                   {"split", "test"},
-                   {"step", result.steps},
-                   {"accuracy", result.test.accuracy},
-                   {"error", 1 - result.test.accuracy},
-                   {"loss", result.test.loss},
-                   {"examples", result.test.examples},
-                   {"seconds", result.test.seconds}});
-  }
-  metrics.write({{"event", "end"},
-                 {"step", result.steps},
-                 {"seconds", result.seconds},
-                 {"images_per_second", result.images_per_second}});
+  result.steps = r.end_step;
+  result.images_seen = r.images;
+  result.seconds = r.seconds;
+  result.images_per_second = r.images_per_second;
+  result.losses = std::move(r.losses);
+  // Training accuracy over the last log_every steps (what the last "train" record shows).
+  const auto tail = std::min<size_t>(r.accuracies.size(), static_cast<size_t>(options.log_every));
+  for (size_t i = r.accuracies.size() - tail; i < r.accuracies.size(); ++i)
+    result.final_train_accuracy += r.accuracies[i] / static_cast<double>(tail);
+  result.test = task.last_;
+  result.model_path = r.checkpoint;
   return result;
 }
 

@@ -11,12 +11,13 @@
 
 #include "capsnet/data/mnist.h"
 #include "capsnet/models/matrix_capsnet.h"
+#include "capsnet/train/loop.h"
 
 namespace capsnet::train {
 
 struct EmTrainOptions {
   models::MatrixCapsNetConfig model;
-  std::string out_dir = "runs/em";  // metrics.jsonl and model.pt go here
+  std::string out_dir = "runs/em";  // metrics.jsonl and checkpoint.pt go here
   int64_t steps = 500;
   int64_t batch_size = 32;
   double lr = 3e-3;             // Adam
@@ -28,7 +29,12 @@ struct EmTrainOptions {
   int64_t test_size = 10000;    // first test examples evaluated at the end (0 = none)
   int64_t eval_batch_size = 100;
   int64_t log_every = 20;       // steps between "train" metric records
+  int64_t checkpoint_every = 0;  // steps; 0 = only at epoch ends and at the end
+  std::string resume;           // checkpoint to continue from exactly ("" = start fresh)
   bool progress = true;
+
+  /// The loop's share of these options (steps -> max_steps, no lr decay, evaluation at the end).
+  LoopOptions loop_options() const;
 
   /// Throws std::invalid_argument naming the first bad option.
   void validate() const;
@@ -48,7 +54,7 @@ struct EmTrainResult {
   std::vector<double> losses;  // spread loss of every step
   double final_train_accuracy = 0;  // over the last log_every steps
   EmEval test;                      // examples == 0 when test_size == 0 or no test set
-  std::string model_path;           // OUT/model.pt (torch::save of the module)
+  std::string model_path;           // OUT/checkpoint.pt (model, Adam state, step: resumable)
 };
 
 /// Images [N, H, W] uint8 -> [N, 1, H, W] float in [0, 1].
@@ -58,11 +64,11 @@ torch::Tensor to_input(const torch::Tensor& images);
 EmEval evaluate_em(models::MatrixCapsNet& model, const data::ImageSet& set, int64_t count, int64_t batch_size,
                    double margin, std::ostream* progress = nullptr);
 
-/// Trains a fresh MatrixCapsNet with Adam on `train_set` (reshuffled every epoch with options.seed),
-/// spread-loss margin from spread_margin(step, steps, margin_start, margin_end), then evaluates on
-/// `test_set` (may be null). Writes OUT/metrics.jsonl (start, train, eval, end records) and OUT/model.pt.
-/// Throws TrainingDiverged (trainer.h) when the loss stops being finite.
+/// Trains a MatrixCapsNet with Adam on `train_set` (a seeded order per epoch), spread-loss margin
+/// from spread_margin(step, steps, margin_start, margin_end), then evaluates on `test_set` (may be
+/// null). Runs on the one loop (loop.h): OUT/metrics.jsonl, OUT/checkpoint.pt, exact resume, data
+/// parallelism over `group`. Throws TrainingDiverged when the loss stops being finite.
 EmTrainResult train_em(const EmTrainOptions& options, const data::ImageSet& train_set, const data::ImageSet* test_set,
-                       std::ostream& log);
+                       std::ostream& log, std::shared_ptr<ProcessGroup> group = nullptr);
 
 }  // namespace capsnet::train

@@ -6,16 +6,13 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "capsnet/train/checkpoint.h"
 #include "capsnet/train/metrics.h"
-#include "capsnet/train/trainer.h"
 #include "capsnet/viz/figures.h"
 
 namespace capsnet::train {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // The lr decays per 60,000 pairs, the size of an MNIST epoch, so that the schedule does not depend on
 // the batch size and matches `capsnet train` image for image.
@@ -35,14 +32,9 @@ void MultiMnistTrainOptions::validate() const {
   model.validate();
   if (model.num_classes < 2) fail("multimnist: the model needs at least 2 classes");
   if (steps <= 0) fail(fmt::format("steps must be positive, got {}", steps));
-  if (batch_size <= 0) fail(fmt::format("batch size must be positive, got {}", batch_size));
-  if (eval_batch_size <= 0) fail(fmt::format("eval batch size must be positive, got {}", eval_batch_size));
-  if (!(lr > 0) || !std::isfinite(lr)) fail(fmt::format("learning rate must be a positive number, got {}", lr));
-  if (!(lr_decay > 0 && lr_decay <= 1)) fail(fmt::format("lr decay must be in (0, 1], got {}", lr_decay));
-  if (log_every <= 0) fail(fmt::format("log interval must be positive, got {}", log_every));
-  if (checkpoint_every < 0) fail(fmt::format("checkpoint interval must be >= 0, got {}", checkpoint_every));
-  if (test_size < 0) fail(fmt::format("test size must be >= 0, got {}", test_size));
-  if (out_dir.empty()) fail("output directory must not be empty");
+  if (eval_batch_size <= 0) fail(fmt::format("eval_batch_size must be positive, got {}", eval_batch_size));
+  if (test_size < 0) fail(fmt::format("test_size must be >= 0, got {}", test_size));
+  loop_options().validate();
 }
 
 nlohmann::json MultiMnistTrainOptions::to_json() const {
@@ -140,128 +132,124 @@ MultiMnistEval evaluate_multimnist(models::CapsNet& model, const data::MultiMnis
   return r;
 }
 
+namespace {
+
+/// MultiMNIST as a Task: a stream of generated pairs (step s uses pairs [s B, (s + 1) B)), both
+/// digits' margin loss and reconstructions; the metric is "both digits found".
+class MultiMnistTask : public Task {
+ public:
+  MultiMnistTask(const MultiMnistTrainOptions& o, const data::MultiMnist& train_pairs, const data::MultiMnist* test_pairs)
+      : o_(o), train_(train_pairs), test_(test_pairs) {}
+
+  std::string name() const override { return "multimnist"; }
+  std::shared_ptr<torch::nn::Module> build_model(nn::Precision precision) override {
+    model_ = models::CapsNet(o_.model);
+    model_->set_fused_routing(o_.fused_routing);
+    model_->set_precision(precision);
+    return model_.ptr();
+  }
+  nlohmann::json model_config() const override { return o_.model.to_json(); }
+  bool config_matches(const nlohmann::json& saved) const override { return models::same_config(saved, o_.model); }
+  nlohmann::json data_config() const override {
+    return {{"train_generator",
+             {{"seed", train_.seed()},
+              {"source_size", train_.source_size()},
+              {"pad", train_.options().pad},
+              {"max_shift", train_.options().max_shift}}}};
+  }
+  std::string describe() const override {
+    return fmt::format("MultiMNIST CapsNet ({} primary capsules, {}x{} input)", o_.model.num_primary_caps(),
+                       o_.model.image_size, o_.model.image_size);
+  }
+  int64_t epoch_size() const override { return static_cast<int64_t>(kDecayImages); }
+  bool shuffle() const override { return false; }
+
+  Batch batch(const torch::Tensor& ids, at::Generator&) const override {
+    // ids are consecutive (a stream): the generator makes pairs start .. start + B - 1.
+    auto b = train_.generate(ids[0].item<int64_t>(), ids.size(0));
+    return {{b.images, b.labels, b.digits}};  // [B, 1, S, S], [B, 2], [B, 2, 1, S, S]
+  }
+  TaskLoss loss(const Batch& rows) override {
+    const auto& images = rows[0];
+    const auto& labels = rows[1];
+    auto f = forward_pair(model_, images, labels);
+    auto l = multimnist_loss(o_.model, f, labels, rows[2]);
+    auto found = both_found(f.out.lengths.detach(), labels).to(torch::kFloat64).mean();
+    return {l.total, {{"margin_loss", l.margin}, {"reconstruction_loss", l.reconstruction}, {"accuracy", found}}};
+  }
+  std::optional<Evaluation> evaluate(std::ostream* progress) override {
+    if (!test_ || o_.test_size == 0) return std::nullopt;
+    auto r = evaluate_multimnist(model_, *test_, o_.test_size, o_.eval_batch_size, progress);
+    Evaluation e{{{"accuracy", r.accuracy},
+                  {"error", 1 - r.accuracy},
+                  {"digit_accuracy", r.digit_accuracy},
+                  {"loss", r.loss},
+                  {"examples", r.examples},
+                  {"overlap_iou", r.overlap.mean_iou()},
+                  {"overlap_over_smaller", r.overlap.mean_over_smaller()},
+                  {"seconds", r.seconds}},
+                 fmt::format("test both found {:.2f}% (error {:.2f}%, {} pairs)", 100 * r.accuracy,
+                             100 * (1 - r.accuracy), r.examples)};
+    last_ = std::move(r);
+    return e;
+  }
+
+  std::optional<MultiMnistEval> last_;
+
+ private:
+  const MultiMnistTrainOptions& o_;
+  const data::MultiMnist& train_;
+  const data::MultiMnist* test_;
+  models::CapsNet model_{nullptr};
+};
+
+}  // namespace
+
+LoopOptions MultiMnistTrainOptions::loop_options() const {
+  LoopOptions l;
+  l.out_dir = out_dir;
+  l.epochs = 0;
+  l.max_steps = steps;
+  l.batch_size = batch_size;
+  l.lr = lr;
+  l.lr_decay = lr_decay;
+  l.seed = seed;
+  l.checkpoint_every = checkpoint_every;
+  l.log_every = log_every;
+  l.evaluate_each_epoch = false;  // the test pairs are evaluated once, at the end
+  l.resume = resume;
+  l.progress = progress;
+  l.precision = nn::parse_precision(precision);
+  return l;
+}
+
 MultiMnistTrainResult train_multimnist(const MultiMnistTrainOptions& options, const data::MultiMnist& train_pairs,
-                                       const data::MultiMnist* test_pairs, std::ostream& log) {
+                                       const data::MultiMnist* test_pairs, std::ostream& log,
+                                       std::shared_ptr<ProcessGroup> group) {
   options.validate();
   check_pairs_fit(options.model, train_pairs, "training");
   if (test_pairs && options.test_size > 0) check_pairs_fit(options.model, *test_pairs, "test");
-  auto options_json = options.to_json();
-  options_json["train_generator"] = {{"seed", train_pairs.seed()},
-                                     {"source_size", train_pairs.source_size()},
-                                     {"pad", train_pairs.options().pad},
-                                     {"max_shift", train_pairs.options().max_shift}};
-  if (test_pairs)
-    options_json["test_generator"] = {{"seed", test_pairs->seed()}, {"source_size", test_pairs->source_size()}};
-
-  torch::manual_seed(options.seed);
-  models::CapsNet model(options.model);
-  model->set_fused_routing(options.fused_routing);
-  model->train();
-  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(options.lr));
-  const std::string ckpt = checkpoint_path(options.out_dir);
-  JsonLinesWriter metrics(metrics_path(options.out_dir), /*truncate=*/true);
-  const int64_t parameters = models::count_parameters(*model);
-  metrics.write({{"event", "start"},
-                 {"step", 0},
-                 {"model", options.model.to_json()},
-                 {"train", options_json},
-                 {"parameters", parameters},
-                 {"threads", at::get_num_threads()}});
-  log << fmt::format("MultiMNIST CapsNet: {} parameters, {} primary capsules, {}x{} input, batch {}, {} steps, {} "
-                     "threads\n",
-                     parameters, options.model.num_primary_caps(), options.model.image_size,
-                     options.model.image_size, options.batch_size, options.steps, at::get_num_threads());
-
+  MultiMnistTask task(options, train_pairs, test_pairs);
+  auto r = run(task, options.loop_options(), log, std::move(group));
   MultiMnistTrainResult result;
-  auto save = [&](int64_t at_step) {
-    save_checkpoint(ckpt, model, &optimizer, {at_step, options.model.to_json(), options_json});
-    result.checkpoint = ckpt;
-    metrics.write({{"event", "checkpoint"}, {"step", at_step}, {"path", ckpt}});
-  };
-
-  ProgressBar bar(std::cerr, "multimnist", options.steps, options.progress);
-  double win_loss = 0, win_margin = 0, win_recon = 0, run_loss = 0;
-  int64_t win_correct = 0, win_seen = 0, win_steps = 0, run_correct = 0;
-  for (int64_t step = 0; step < options.steps; ++step) {
-    const auto t0 = Clock::now();
-    const int64_t B = options.batch_size;
-    auto batch = train_pairs.generate(step * B, B);  // images [B, 1, S, S], digits [B, 2, 1, S, S], labels [B, 2]
-    const double lr =
-        options.lr * std::pow(options.lr_decay, static_cast<double>(step * B) / kDecayImages);
-    for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
-
-    auto f = forward_pair(model, batch.images, batch.labels);
-    auto loss = multimnist_loss(options.model, f, batch.labels, batch.digits);
-    const double loss_value = loss.total.item<double>();
-    if (!std::isfinite(loss_value))
-      throw TrainingDiverged(fmt::format("multimnist: loss is {} at step {}; stopping. Last checkpoint: {}. Try a "
-                                         "lower --lr.",
-                                         loss_value, step, result.checkpoint.empty() ? "(none)" : result.checkpoint));
-    optimizer.zero_grad();
-    loss.total.backward();
-    optimizer.step();
-
-    const int64_t correct = both_found(f.out.lengths.detach(), batch.labels).sum().item<int64_t>();
-    result.seconds += seconds_since(t0);
-    result.images_seen += B;
-    result.steps = step + 1;
-    result.losses.push_back(loss_value);
-    win_loss += loss_value;
-    win_margin += loss.margin.item<double>();
-    win_recon += loss.reconstruction.item<double>();
-    win_correct += correct;
-    win_seen += B;
-    ++win_steps;
-    run_loss += loss_value;
-    run_correct += correct;
-    const double img_s = result.images_seen / result.seconds;
-    bar.update(step + 1, fmt::format("loss {:.4f} both found {:.1f}% {:.0f} img/s", run_loss / (step + 1),
-                                     100.0 * run_correct / result.images_seen, img_s));
-    if ((step + 1) % options.log_every == 0 || step + 1 == options.steps) {
-      metrics.write({{"event", "train"},
-                     {"step", step + 1},
-                     {"images_seen", result.images_seen},
-                     {"loss", win_loss / win_steps},
-                     {"margin_loss", win_margin / win_steps},
-                     {"reconstruction_loss", win_recon / win_steps},
-                     {"accuracy", static_cast<double>(win_correct) / win_seen},
-                     {"lr", lr},
-                     {"images_per_second", img_s}});
-      win_loss = win_margin = win_recon = 0;
-      win_correct = win_seen = win_steps = 0;
-    }
-    if (options.checkpoint_every > 0 && (step + 1) % options.checkpoint_every == 0 && step + 1 < options.steps)
-      save(step + 1);
+  result.steps = r.end_step;
+  result.images_seen = r.images;
+  result.seconds = r.seconds;
+  result.images_per_second = r.images_per_second;
+  result.losses = std::move(r.losses);
+  result.test = std::move(task.last_);
+  result.checkpoint = r.checkpoint;
+  if (!result.losses.empty()) {
+    auto mean = [](const std::vector<double>& v) {
+      double s = 0;
+      for (double x : v) s += x;
+      return v.empty() ? 0.0 : s / static_cast<double>(v.size());
+    };
+    log << fmt::format("trained steps {}..{} ({} pairs) in {:.1f} s ({:.1f} img/s), mean train loss {:.4f}, both "
+                       "found {:.2f}% (on the fly, while training)\n",
+                       r.start_step, r.end_step, result.images_seen, result.seconds, result.images_per_second,
+                       mean(result.losses), 100.0 * mean(r.accuracies));
   }
-  result.images_per_second = result.seconds > 0 ? result.images_seen / result.seconds : 0;
-  bar.finish(fmt::format("loss {:.4f} both found {:.1f}% {:.0f} img/s", run_loss / options.steps,
-                         100.0 * run_correct / result.images_seen, result.images_per_second));
-  save(options.steps);
-  log << fmt::format("trained {} steps ({} pairs) in {:.1f} s ({:.1f} img/s), mean train loss {:.4f}, both found "
-                     "{:.2f}% (on the fly, while training)\n",
-                     result.steps, result.images_seen, result.seconds, result.images_per_second,
-                     run_loss / options.steps, 100.0 * run_correct / result.images_seen);
-
-  if (test_pairs && options.test_size > 0) {
-    auto r = evaluate_multimnist(model, *test_pairs, options.test_size, options.eval_batch_size,
-                                 options.progress ? &std::cerr : nullptr);
-    metrics.write({{"event", "eval"},
-                   {"split", "test"},
-                   {"step", result.steps},
-                   {"accuracy", r.accuracy},
-                   {"error", 1 - r.accuracy},
-                   {"digit_accuracy", r.digit_accuracy},
-                   {"loss", r.loss},
-                   {"examples", r.examples},
-                   {"overlap_iou", r.overlap.mean_iou()},
-                   {"overlap_over_smaller", r.overlap.mean_over_smaller()},
-                   {"seconds", r.seconds}});
-    result.test = std::move(r);
-  }
-  metrics.write({{"event", "end"},
-                 {"step", result.steps},
-                 {"seconds", result.seconds},
-                 {"images_per_second", result.images_per_second}});
   return result;
 }
 

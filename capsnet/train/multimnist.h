@@ -13,6 +13,7 @@
 
 #include "capsnet/data/multimnist.h"
 #include "capsnet/models/capsnet.h"
+#include "capsnet/train/loop.h"
 
 namespace capsnet::train {
 
@@ -30,7 +31,11 @@ struct MultiMnistTrainOptions {
   int64_t eval_batch_size = 100;
   bool progress = true;
   bool fused_routing = true;
+  std::string resume;              // checkpoint to continue from exactly ("" = start fresh)
+  std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of the convolutions and decoder
 
+  /// The loop's share of these options (steps -> max_steps; the test pairs are evaluated at the end).
+  LoopOptions loop_options() const;
   /// Throws std::invalid_argument naming the first bad option.
   void validate() const;
   nlohmann::json to_json() const;
@@ -77,7 +82,8 @@ MultiMnistEval evaluate_multimnist(models::CapsNet& model, const data::MultiMnis
                                    int64_t batch_size, std::ostream* progress = nullptr);
 
 struct MultiMnistTrainResult {
-  int64_t steps = 0, images_seen = 0;
+  int64_t steps = 0;        // steps taken in total (including those before a resume)
+  int64_t images_seen = 0;  // pairs trained on by this run
   double seconds = 0;            // wall time of the optimisation steps
   double images_per_second = 0;
   std::vector<double> losses;    // total loss of every step, in order
@@ -85,13 +91,14 @@ struct MultiMnistTrainResult {
   std::string checkpoint;        // path of the checkpoint written at the end
 };
 
-/// Trains a fresh CapsNet with Adam on pairs 0 .. steps * batch_size - 1 of `train_pairs` (step s uses
+/// Trains a CapsNet with Adam on pairs 0 .. steps * batch_size - 1 of `train_pairs` (step s uses
 /// examples [s * B, (s + 1) * B): never a repeated pair below 60M images when the source is MNIST's
 /// train split), then evaluates on the first options.test_size pairs of `test_pairs` (may be null).
-/// Writes OUT/metrics.jsonl (start, train, eval, checkpoint, end records) and OUT/checkpoint.pt.
-/// Throws TrainingDiverged (trainer.h) when the loss stops being finite.
+/// Runs on the one loop (loop.h): OUT/metrics.jsonl, OUT/checkpoint.pt, exact resume, and data
+/// parallelism over `group`. Throws TrainingDiverged when the loss stops being finite.
 MultiMnistTrainResult train_multimnist(const MultiMnistTrainOptions& options, const data::MultiMnist& train_pairs,
-                                       const data::MultiMnist* test_pairs, std::ostream& log);
+                                       const data::MultiMnist* test_pairs, std::ostream& log,
+                                       std::shared_ptr<ProcessGroup> group = nullptr);
 
 /// Orders the two predicted classes to line up with the labels for display: a predicted class equal to
 /// a label goes in that label's slot. predicted, labels: pairs of classes.

@@ -19,12 +19,9 @@ void SegCapsTrainOptions::validate() const {
     if (v <= 0) throw std::invalid_argument(fmt::format("segcaps: {} must be positive, got {}", name, v));
   };
   positive("steps", steps);
-  positive("batch_size", batch_size);
   positive("test_size", test_size);
   positive("eval_batch_size", eval_batch_size);
-  positive("log_every", log_every);
-  if (!(lr > 0)) throw std::invalid_argument(fmt::format("segcaps: lr must be positive, got {}", lr));
-  if (!(max_seconds >= 0)) throw std::invalid_argument(fmt::format("segcaps: max_seconds must be >= 0, got {}", max_seconds));
+  loop_options().validate();
   if (!(threshold > 0 && threshold < 1))
     throw std::invalid_argument(fmt::format("segcaps: threshold must be in (0, 1), got {}", threshold));
 }
@@ -76,88 +73,97 @@ ThresholdBaseline threshold_baseline(const data::DigitSegmentation& tune, int64_
   return b;
 }
 
+namespace {
+
+/// SegCaps as a Task: a stream of generated cluttered-digit images (step s uses images
+/// [s B, (s + 1) B)), binary cross-entropy of the capsule length, Dice on a fixed test set.
+class SegCapsTask : public Task {
+ public:
+  SegCapsTask(const SegCapsTrainOptions& o, const data::DigitSegmentation& train_set,
+              const data::DigitSegmentation& test_set)
+      : o_(o), train_(train_set), test_(test_set) {}
+
+  std::string name() const override { return "segcaps"; }
+  std::shared_ptr<torch::nn::Module> build_model(nn::Precision precision) override {
+    if (precision != nn::Precision::kFloat32)
+      throw std::invalid_argument("segcaps: the capsule U-net computes in fp32 only (precision)");
+    model_ = models::SegCaps(o_.model);
+    model_->set_fused_routing(o_.fused_routing);
+    return model_.ptr();
+  }
+  nlohmann::json model_config() const override { return o_.model.to_json(); }
+  nlohmann::json data_config() const override { return {{"canvas", train_.canvas_size()}}; }
+  std::string describe() const override {
+    return fmt::format("segcaps ({}x{} generated images)", o_.model.image_size, o_.model.image_size);
+  }
+  // The whole run is one epoch: there is no learning-rate decay and the test set is scored at the end.
+  int64_t epoch_size() const override { return o_.steps * o_.batch_size; }
+  bool shuffle() const override { return false; }
+  Batch batch(const torch::Tensor& ids, at::Generator&) const override {
+    auto b = train_.generate(ids[0].item<int64_t>(), ids.size(0));
+    return {{b.images, b.masks}};  // [B, 1, S, S] each
+  }
+  TaskLoss loss(const Batch& rows) override {
+    auto out = model_->forward(rows[0]);
+    auto loss = model_->loss(out, rows[1]);
+    torch::NoGradGuard no_grad;
+    auto dice = data::dice_per_image(out.probability > o_.threshold, rows[1]).to(torch::kFloat64).mean();
+    return {loss, {{"dice", dice}}};
+  }
+  std::optional<Evaluation> evaluate(std::ostream*) override {
+    last_ = evaluate_segcaps(model_, test_, 0, o_.test_size, o_.eval_batch_size, o_.threshold);
+    return Evaluation{{{"dice", last_.mean_dice},
+                       {"loss", last_.loss},
+                       {"examples", last_.examples},
+                       {"seconds", last_.seconds}},
+                      fmt::format("test Dice {:.3f} ({} images)", last_.mean_dice, last_.examples)};
+  }
+
+  models::SegCaps model_{nullptr};
+  SegmentationEval last_;
+
+ private:
+  const SegCapsTrainOptions& o_;
+  const data::DigitSegmentation& train_;
+  const data::DigitSegmentation& test_;
+};
+
+}  // namespace
+
+LoopOptions SegCapsTrainOptions::loop_options() const {
+  LoopOptions l;
+  l.out_dir = out_dir;
+  l.epochs = 0;
+  l.max_steps = steps;
+  l.batch_size = batch_size;
+  l.lr = lr;
+  l.lr_decay = 1;
+  l.seed = seed;
+  l.checkpoint_every = checkpoint_every;
+  l.log_every = log_every;
+  l.evaluate_each_epoch = false;
+  l.resume = resume;
+  l.progress = progress;
+  l.max_seconds = max_seconds;
+  return l;
+}
+
 SegCapsTrainResult train_segcaps(const SegCapsTrainOptions& options, const data::DigitSegmentation& train_set,
-                                 const data::DigitSegmentation& test_set, std::ostream& log) {
+                                 const data::DigitSegmentation& test_set, std::ostream& log,
+                                 std::shared_ptr<ProcessGroup> group) {
   options.validate();
   if (train_set.canvas_size() != options.model.image_size || test_set.canvas_size() != options.model.image_size)
     throw std::invalid_argument(fmt::format("segcaps: the data canvas ({}) must equal the model image_size ({})",
                                             train_set.canvas_size(), options.model.image_size));
-  std::filesystem::create_directories(options.out_dir);
-  torch::manual_seed(options.seed);
+  SegCapsTask task(options, train_set, test_set);
+  auto r = run(task, options.loop_options(), log, std::move(group));
   SegCapsTrainResult result;
-  result.model = models::SegCaps(options.model);
-  auto& model = result.model;
-  model->set_fused_routing(options.fused_routing);
-  model->train();
-  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(options.lr));
-  JsonLinesWriter metrics(options.out_dir + "/metrics.jsonl", /*truncate=*/true);
-  log << fmt::format("segcaps: {} steps of {} generated {}x{} images, {} parameters\n", options.steps,
-                     options.batch_size, options.model.image_size, options.model.image_size,
-                     [&] {
-                       int64_t n = 0;
-                       for (const auto& p : model->parameters()) n += p.numel();
-                       return n;
-                     }());
-
-  const auto t0 = std::chrono::steady_clock::now();
-  ProgressBar bar(std::cerr, "segcaps", options.steps, options.progress);
-  double window_loss = 0, window_dice = 0;
-  int64_t window = 0, steps_run = 0;
-  for (int64_t step = 0; step < options.steps; ++step) {
-    auto batch = train_set.generate(step * options.batch_size, options.batch_size);
-    auto out = model->forward(batch.images);
-    auto loss = model->loss(out, batch.masks);
-    if (!std::isfinite(loss.item<double>()))
-      throw std::runtime_error(fmt::format("segcaps: loss is not finite at step {}", step + 1));
-    optimizer.zero_grad();
-    loss.backward();
-    optimizer.step();
-    window_loss += loss.item<double>();
-    {
-      torch::NoGradGuard no_grad;
-      window_dice += data::dice_per_image(out.probability > options.threshold, batch.masks).mean().item<double>();
-    }
-    ++window;
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const double ips = static_cast<double>((step + 1) * options.batch_size) / std::max(elapsed, 1e-9);
-    steps_run = step + 1;
-    const bool out_of_time = options.max_seconds > 0 && elapsed > options.max_seconds;
-    if ((step + 1) % options.log_every == 0 || step + 1 == options.steps || out_of_time) {
-      const double mean_loss = window_loss / static_cast<double>(window);
-      const double mean_dice = window_dice / static_cast<double>(window);
-      result.losses.push_back(mean_loss);
-      metrics.write({{"step", step + 1},
-                     {"images", (step + 1) * options.batch_size},
-                     {"train_loss", mean_loss},
-                     {"train_dice", mean_dice},
-                     {"seconds", elapsed},
-                     {"images_per_second", ips}});
-      if (!options.progress)
-        log << fmt::format("step {}/{}: loss {:.4f} train Dice {:.3f} ({:.1f} img/s)\n", step + 1, options.steps,
-                           mean_loss, mean_dice, ips)
-            << std::flush;  // a log file shows progress while the run goes on
-      window_loss = window_dice = 0;
-      window = 0;
-    }
-    bar.update(step + 1, fmt::format("loss {:.4f} {:.1f} img/s", loss.item<double>(), ips));
-    if (out_of_time) {
-      log << fmt::format("segcaps: stopping after {} of {} steps: the --max-minutes budget ({:.0f} s) is spent\n",
-                         steps_run, options.steps, options.max_seconds);
-      break;
-    }
-  }
-  result.steps = steps_run;
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  result.images_per_second = static_cast<double>(steps_run * options.batch_size) / std::max(result.seconds, 1e-9);
-  bar.finish(fmt::format("{:.1f} s, {:.1f} img/s", result.seconds, result.images_per_second));
-
-  torch::save(model, options.out_dir + "/model.pt");
-  result.test = evaluate_segcaps(model, test_set, 0, options.test_size, options.eval_batch_size, options.threshold);
-  metrics.write({{"step", steps_run},
-                 {"split", "test"},
-                 {"test_examples", result.test.examples},
-                 {"test_dice", result.test.mean_dice},
-                 {"test_loss", result.test.loss}});
+  result.model = task.model_;
+  result.steps = r.end_step;
+  result.seconds = r.seconds;
+  result.images_per_second = r.images_per_second;
+  result.losses = std::move(r.losses);
+  result.test = task.last_;
   return result;
 }
 

@@ -11,6 +11,7 @@
 
 #include "capsnet/data/segmentation.h"
 #include "capsnet/models/segcaps.h"
+#include "capsnet/train/loop.h"
 
 namespace capsnet::train {
 
@@ -30,6 +31,11 @@ struct SegCapsTrainOptions {
   /// Wall-clock budget for training in seconds (0 = none): training stops after the first step that
   /// ends past it, and the model is evaluated as it is (result.steps says how many steps ran).
   double max_seconds = 0;
+  int64_t checkpoint_every = 0;  // steps; 0 = only at the end
+  std::string resume;            // checkpoint to continue from exactly ("" = start fresh)
+
+  /// The loop's share of these options (steps -> max_steps, no lr decay, evaluation at the end).
+  LoopOptions loop_options() const;
   /// Throws std::invalid_argument naming the bad field.
   void validate() const;
 };
@@ -61,14 +67,16 @@ struct SegCapsTrainResult {
   models::SegCaps model{nullptr};
   int64_t steps = 0;  // steps actually run (fewer than options.steps when max_seconds stopped training)
   double seconds = 0, images_per_second = 0;
-  std::vector<double> losses;  // one per log record (mean over the logging window)
+  std::vector<double> losses;  // the loss of every step of this run
   SegmentationEval test;
 };
 
-/// Trains a fresh model. Writes OUT/metrics.jsonl (one record per log_every steps and a final "test"
-/// record) and OUT/model.pt (torch::save of the module). Log lines go to `log`, the progress bar to stderr.
+/// Trains the model on the one loop (loop.h): OUT/metrics.jsonl ("train" records every log_every
+/// steps, an "eval" record with the test Dice at the end), OUT/checkpoint.pt, exact resume, data
+/// parallelism over `group`. Log lines go to `log`, the progress bar to stderr.
 SegCapsTrainResult train_segcaps(const SegCapsTrainOptions& options, const data::DigitSegmentation& train_set,
-                                 const data::DigitSegmentation& test_set, std::ostream& log);
+                                 const data::DigitSegmentation& test_set, std::ostream& log,
+                                 std::shared_ptr<ProcessGroup> group = nullptr);
 
 /// Figure: one row per test example: input | target mask | probability |v| | predicted mask (|v| > threshold),
 /// each zoomed by `zoom`. Returns float [rows * (S z + 2) + 2, 4 (S z + 2) + 2] in [0, 1].

@@ -1,6 +1,6 @@
 #pragma once
-// Training loop: Adam with exponentially decaying learning rate, random +-2 px shifts, progress bar,
-// JSON-lines metrics, atomic checkpoints and exact resume.
+// The paper's MNIST experiment as a Task of the one loop (loop.h): CapsNet on randomly shifted images,
+// Adam with an exponentially decaying learning rate. `capsnet train` runs it.
 
 #include <torch/torch.h>
 
@@ -15,10 +15,9 @@
 #include "capsnet/data/mnist.h"
 #include "capsnet/models/capsnet.h"
 #include "capsnet/train/evaluate.h"
+#include "capsnet/train/loop.h"
 
 namespace capsnet::train {
-
-class ProcessGroup;  // distributed.h
 
 struct TrainOptions {
   models::CapsNetConfig model;
@@ -39,15 +38,11 @@ struct TrainOptions {
   bool fused_routing = true;  // the fused routing operator (false: composite ops; same math)
   std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of the convolutions and decoder
 
+  /// The loop's share of these options.
+  LoopOptions loop_options() const;
   /// Throws std::invalid_argument naming the first bad option.
   void validate() const;
   nlohmann::json to_json() const;
-};
-
-/// Thrown when the loss or a weight stops being finite; the last good checkpoint is kept.
-class TrainingDiverged : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
 };
 
 struct TrainResult {
@@ -67,9 +62,5 @@ struct TrainResult {
 /// reassociation). Only rank 0 logs, evaluates and writes metrics and checkpoints.
 TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, const data::ImageSet* test_set,
                   std::ostream& log, std::shared_ptr<ProcessGroup> group = nullptr);
-
-/// Path of the checkpoint / metrics file inside an output directory.
-std::string checkpoint_path(const std::string& out_dir);
-std::string metrics_path(const std::string& out_dir);
 
 }  // namespace capsnet::train

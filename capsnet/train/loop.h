@@ -1,0 +1,149 @@
+#pragma once
+// The one training loop. Every experiment (MNIST classification, MultiMNIST, EM routing, SegCaps, ...)
+// is a Task: it builds its model, turns example indices into a batch, computes a loss and evaluates.
+// The loop owns the rest, written once: batching by (seed, step), the learning-rate schedule, Adam,
+// the progress bar, JSON-lines metrics, the NaN/inf guard, atomic checkpoints with exact resume,
+// data-parallel gradient averaging, numeric precision and a wall-clock budget.
+
+#include <torch/torch.h>
+
+#include <ATen/core/Generator.h>
+#include <nlohmann/json.hpp>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "capsnet/nn/precision.h"
+
+namespace capsnet::train {
+
+class ProcessGroup;  // distributed.h
+
+/// Thrown when the loss or a weight stops being finite; the last good checkpoint is kept.
+class TrainingDiverged : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// The tensors of one batch; every field's dim 0 is the example, so the loop can give each process
+/// of a data-parallel job its rows without knowing what the fields mean.
+struct Batch {
+  std::vector<torch::Tensor> fields;
+  int64_t size() const { return fields.empty() ? 0 : fields.front().size(0); }
+  const torch::Tensor& operator[](size_t i) const { return fields.at(i); }
+  /// Rows [begin, end) of every field.
+  Batch rows(int64_t begin, int64_t end) const;
+};
+
+/// What a task's training forward pass returns.
+struct TaskLoss {
+  torch::Tensor total;  // scalar, mean over the batch's rows: the loop backpropagates it
+  /// Named per-step scalars, each a mean over the batch's rows (e.g. {"margin_loss", ...},
+  /// {"accuracy", fraction correct}); logged as window means under their names.
+  std::vector<std::pair<std::string, torch::Tensor>> scalars;
+};
+
+/// One evaluation: the fields of the "eval" metrics record and the text appended to the epoch's log line.
+struct Evaluation {
+  nlohmann::json record;  // e.g. {"accuracy": 0.99, "error": 0.01, "loss": 0.02, "examples": 10000}
+  std::string summary;    // e.g. "test loss 0.0200 accuracy 99.00% (10000 images)"
+};
+
+/// One experiment, as the loop sees it.
+class Task {
+ public:
+  virtual ~Task() = default;
+  /// Short name: the metrics' "task" field and the progress bar's label when there is one epoch.
+  virtual std::string name() const = 0;
+  /// Builds the model (once, after torch::manual_seed(seed), so initialisation is reproducible) and
+  /// returns it: its parameters are optimised and it is what checkpoints hold.
+  virtual std::shared_ptr<torch::nn::Module> build_model(nn::Precision precision) = 0;
+  /// The model's config as stored in checkpoints.
+  virtual nlohmann::json model_config() const = 0;
+  /// Whether a checkpoint's stored model config describes this task's model (default: equal JSON).
+  virtual bool config_matches(const nlohmann::json& saved) const { return saved == model_config(); }
+  /// Everything besides the loop's options that fixes the sequence of batches (generator seeds,
+  /// augmentation, training-set size); a resume must see the same values.
+  virtual nlohmann::json data_config() const = 0;
+  /// The first log line's description of the model (e.g. "CapsNet: 8215568 parameters").
+  virtual std::string describe() const = 0;
+
+  /// Examples in one epoch: the unit of the learning-rate decay and of end-of-epoch evaluation.
+  virtual int64_t epoch_size() const = 0;
+  /// true: each epoch visits the examples 0 .. epoch_size - 1 in a seeded random order and the last
+  /// batch may be short. false: a stream; step s uses examples [s B, (s + 1) B), never repeating
+  /// (generated data).
+  virtual bool shuffle() const { return true; }
+  /// Called before every training step with the step index and the total (for schedules such as the
+  /// EM spread-loss margin).
+  virtual void begin_step(int64_t /*step*/, int64_t /*total_steps*/) {}
+  /// The global batch of examples `ids` ([B] int64); `gen` is this step's own generator (augmentation),
+  /// the same on every process.
+  virtual Batch batch(const torch::Tensor& ids, at::Generator& gen) const = 0;
+  /// Training forward pass and loss on this process's rows of the batch.
+  virtual TaskLoss loss(const Batch& rows) = 0;
+  /// Held-out evaluation, run at epoch ends and at the end; nullopt when there is nothing to evaluate.
+  /// `progress` (may be null) gets a progress bar.
+  virtual std::optional<Evaluation> evaluate(std::ostream* /*progress*/) { return std::nullopt; }
+};
+
+struct LoopOptions {
+  std::string out_dir = "runs/train";  // checkpoint.pt and metrics.jsonl go here
+  int64_t epochs = 1;
+  int64_t max_steps = 0;   // > 0: stop after this many optimizer steps in total (overrides epochs)
+  int64_t batch_size = 100;
+  double lr = 1e-3;        // Adam
+  double lr_decay = 0.96;  // multiplied into the learning rate once per epoch, applied smoothly per step
+  double weight_decay = 0;  // Adam's L2 term
+  uint64_t seed = 1;
+  int64_t checkpoint_every = 500;  // steps; 0 = only at epoch ends and at the end
+  int64_t log_every = 50;          // steps between "train" metric records
+  bool evaluate_each_epoch = true;  // false: evaluate at the end only
+  std::string resume;              // checkpoint to continue from ("" = start fresh)
+  bool progress = true;
+  nn::Precision precision = nn::Precision::kFloat32;
+  double max_seconds = 0;  // > 0: stop after the first step that ends past this much training time
+
+  /// Throws std::invalid_argument naming the first bad option (by field name).
+  void validate() const;
+  /// The options that shape the run (stored in checkpoints and the "start" record).
+  nlohmann::json to_json() const;
+};
+
+struct LoopResult {
+  int64_t start_step = 0, end_step = 0;
+  int64_t total_steps = 0;        // planned
+  double seconds = 0;             // wall time of this run's optimisation steps
+  double images_per_second = 0;   // training throughput of this run
+  int64_t images = 0;             // examples trained on in this run (all processes)
+  std::vector<double> losses;     // total loss of every step of this run, in order
+  std::vector<double> accuracies;  // the "accuracy" scalar of every step (empty when the task has none)
+  std::optional<Evaluation> evaluation;  // the last one
+  std::string checkpoint;         // the last checkpoint written
+  bool out_of_time = false;       // stopped by max_seconds
+};
+
+/// Trains `task` with Adam. Log lines go to `log` (rank 0 only), the progress bar to stderr.
+/// With a `group` of W processes (data parallel, docs/distributed.md): every rank builds the same
+/// global batch, takes its rank_slice of the rows, and the gradients are averaged so the update
+/// equals one process's on the whole batch (up to float reassociation). Only rank 0 logs, evaluates
+/// and writes files.
+LoopResult run(Task& task, const LoopOptions& options, std::ostream& log,
+               std::shared_ptr<ProcessGroup> group = nullptr);
+
+/// An independent generator derived from (seed, purpose, index): the data order of an epoch and the
+/// augmentation of a step are functions of the step alone, which is what makes resume exact.
+at::Generator seeded_stream(uint64_t seed, uint64_t purpose, uint64_t index);
+
+/// Path of the checkpoint / metrics file inside an output directory.
+std::string checkpoint_path(const std::string& out_dir);
+std::string metrics_path(const std::string& out_dir);
+
+/// Seconds elapsed since `start` on the steady clock.
+double seconds_since(std::chrono::steady_clock::time_point start);
+
+}  // namespace capsnet::train

@@ -1,0 +1,232 @@
+// The one training loop (capsnet/train/loop.h) on a task small enough to reason about exactly:
+// linear regression, whose batches record which examples the loop asked for.
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "capsnet/train/checkpoint.h"
+#include "capsnet/train/loop.h"
+#include "test_helpers.h"
+
+namespace capsnet {
+namespace {
+
+using testing::TempDir;
+
+/// y = x . w_true + 0.5 on n examples of 3 features; the model is one Linear(3, 1).
+class RegressionTask : public train::Task {
+ public:
+  RegressionTask(int64_t n, bool shuffle) : n_(n), shuffle_(shuffle) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+    x_ = torch::randn({n, 3}, gen);
+    y_ = x_.matmul(torch::tensor({1.0f, -2.0f, 0.5f})) + 0.5;  // [n]
+  }
+  std::string name() const override { return "regression"; }
+  std::shared_ptr<torch::nn::Module> build_model(nn::Precision) override {
+    model_ = torch::nn::Linear(3, 1);
+    return model_.ptr();
+  }
+  nlohmann::json model_config() const override { return {{"in", 3}, {"out", 1}}; }
+  nlohmann::json data_config() const override { return {{"examples", n_}}; }
+  std::string describe() const override { return "Linear(3, 1)"; }
+  int64_t epoch_size() const override { return n_; }
+  bool shuffle() const override { return shuffle_; }
+  train::Batch batch(const torch::Tensor& ids, at::Generator&) const override {
+    seen.push_back(ids.clone());
+    auto rows = ids.remainder(n_);  // a stream's ids run past n: wrap onto the data
+    return {{x_.index_select(0, rows), y_.index_select(0, rows)}};
+  }
+  train::TaskLoss loss(const train::Batch& rows) override {
+    ++steps;
+    if (nan_at_step >= 0 && steps - 1 == nan_at_step)
+      return {torch::full({}, std::numeric_limits<float>::quiet_NaN(), torch::requires_grad()), {}};
+    auto err = model_(rows[0]).squeeze(1) - rows[1];
+    auto close = err.detach().abs().lt(0.5).to(torch::kFloat64).mean();
+    return {err.pow(2).mean(), {{"accuracy", close}}};
+  }
+  std::optional<train::Evaluation> evaluate(std::ostream*) override {
+    ++evaluations;
+    torch::NoGradGuard no_grad;
+    const double mse = (model_(x_).squeeze(1) - y_).pow(2).mean().item<double>();
+    return train::Evaluation{{{"mse", mse}}, "mse"};
+  }
+
+  mutable std::vector<torch::Tensor> seen;  // ids of every batch asked for
+  int64_t steps = 0, evaluations = 0, nan_at_step = -1;
+  torch::nn::Linear model_{nullptr};
+
+ private:
+  int64_t n_;
+  bool shuffle_;
+  torch::Tensor x_, y_;
+};
+
+train::LoopOptions options(const std::string& out_dir) {
+  train::LoopOptions o;
+  o.out_dir = out_dir;
+  o.batch_size = 4;
+  o.lr = 0.05;
+  o.lr_decay = 0.5;
+  o.seed = 3;
+  o.log_every = 1;
+  o.progress = false;
+  return o;
+}
+
+std::vector<nlohmann::json> records(const std::string& out_dir, const std::string& event) {
+  std::ifstream in(train::metrics_path(out_dir));
+  std::vector<nlohmann::json> out;
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j["event"] == event) out.push_back(j);
+  }
+  return out;
+}
+
+TEST(LoopTest, ShuffledEpochsVisitEveryExampleOnceWithAShortLastBatch) {
+  TempDir dir;
+  RegressionTask task(10, /*shuffle=*/true);
+  auto o = options(dir / "run");
+  o.epochs = 2;  // 3 steps per epoch: 4 + 4 + 2
+  std::ostringstream log;
+  auto r = train::run(task, o, log);
+  EXPECT_EQ(r.end_step, 6);
+  ASSERT_EQ(task.seen.size(), 6u);
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    std::multiset<int64_t> ids;
+    for (int s = 0; s < 3; ++s)
+      for (int64_t i = 0; i < task.seen[epoch * 3 + s].size(0); ++i) ids.insert(task.seen[epoch * 3 + s][i].item<int64_t>());
+    EXPECT_EQ(ids, (std::multiset<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9})) << "epoch " << epoch;
+    EXPECT_EQ(task.seen[epoch * 3 + 2].size(0), 2);
+  }
+  EXPECT_FALSE(torch::equal(task.seen[0], task.seen[3])) << "each epoch has its own order";
+  // Evaluated at both epoch ends; the epoch lines carry the evaluation.
+  EXPECT_EQ(task.evaluations, 2);
+  EXPECT_NE(log.str().find("epoch 2: train loss"), std::string::npos) << log.str();
+  // The learning rate decays smoothly by lr_decay per epoch: step s trains with 0.05 * 0.5^(s / 3).
+  auto train_records = records(o.out_dir, "train");
+  ASSERT_EQ(train_records.size(), 6u);
+  for (int s = 0; s < 6; ++s) EXPECT_NEAR(train_records[s]["lr"].get<double>(), 0.05 * std::pow(0.5, s / 3.0), 1e-12);
+  EXPECT_EQ(train_records[5]["images_seen"], 20);
+  EXPECT_EQ(records(o.out_dir, "eval").size(), 2u);
+}
+
+TEST(LoopTest, AStreamTakesConsecutiveFullBatches) {
+  TempDir dir;
+  RegressionTask task(10, /*shuffle=*/false);
+  auto o = options(dir / "run");
+  o.epochs = 0;
+  o.max_steps = 4;
+  o.evaluate_each_epoch = false;
+  std::ostringstream log;
+  train::run(task, o, log);
+  ASSERT_EQ(task.seen.size(), 4u);
+  for (int64_t s = 0; s < 4; ++s)
+    EXPECT_TRUE(torch::equal(task.seen[s], torch::arange(4 * s, 4 * s + 4, torch::kLong))) << "step " << s;
+  EXPECT_EQ(task.evaluations, 1) << "evaluated once, at the end";
+}
+
+TEST(LoopTest, ResumeReproducesTheUninterruptedRunAndChecksTheOptions) {
+  TempDir dir;
+  std::ostringstream log;
+  RegressionTask a(10, true), b(10, true), c(10, true);
+  auto full = options(dir / "full");
+  full.max_steps = 7;
+  auto ra = train::run(a, full, log);
+  auto part = options(dir / "part");
+  part.max_steps = 4;
+  auto rb = train::run(b, part, log);
+  auto rest = options(dir / "rest");
+  rest.max_steps = 7;
+  rest.resume = rb.checkpoint;
+  auto rc = train::run(c, rest, log);
+  ASSERT_EQ(rc.start_step, 4);
+  ASSERT_EQ(rc.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(rc.losses[i], ra.losses[i + 4]) << "step " << i + 4;
+  EXPECT_TRUE(torch::equal(a.model_->weight, c.model_->weight));
+
+  RegressionTask d(10, true);
+  auto changed = options(dir / "changed");
+  changed.max_steps = 7;
+  changed.resume = rb.checkpoint;
+  changed.lr = 0.1;
+  try {
+    train::run(d, changed, log);
+    FAIL() << "expected a refused resume";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("option lr"), std::string::npos) << e.what();
+  }
+  RegressionTask e(12, true);  // another data set: its size is part of the data config
+  auto other = options(dir / "other");
+  other.max_steps = 7;
+  other.resume = rb.checkpoint;
+  EXPECT_THROW(train::run(e, other, log), std::invalid_argument);
+}
+
+TEST(LoopTest, ANonFiniteLossStopsWithTheLastGoodCheckpoint) {
+  TempDir dir;
+  RegressionTask task(10, true);
+  task.nan_at_step = 5;  // checkpoints after steps 2, 3 (epoch end) and 4
+  auto o = options(dir / "run");
+  o.max_steps = 8;
+  o.checkpoint_every = 2;
+  std::ostringstream log;
+  try {
+    train::run(task, o, log);
+    FAIL() << "expected TrainingDiverged";
+  } catch (const train::TrainingDiverged& err) {
+    const std::string msg = err.what();
+    EXPECT_NE(msg.find("loss is nan at step 5"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("(step 4)"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(train::read_checkpoint_meta(train::checkpoint_path(o.out_dir)).step, 4);
+}
+
+TEST(LoopTest, ATimeBudgetStopsAfterTheStepThatSpendsItAndStillSavesAndEvaluates) {
+  TempDir dir;
+  RegressionTask task(10, true);
+  auto o = options(dir / "run");
+  o.max_steps = 50;
+  o.max_seconds = 1e-9;
+  o.evaluate_each_epoch = false;
+  std::ostringstream log;
+  auto r = train::run(task, o, log);
+  EXPECT_TRUE(r.out_of_time);
+  EXPECT_EQ(r.end_step, 1);
+  EXPECT_EQ(task.evaluations, 1);
+  EXPECT_EQ(train::read_checkpoint_meta(r.checkpoint).step, 1);
+  EXPECT_NE(log.str().find("stopping after step 1 of 50"), std::string::npos) << log.str();
+}
+
+TEST(LoopTest, BadOptionsNameTheField) {
+  TempDir dir;
+  RegressionTask task(10, true);
+  std::ostringstream log;
+  auto expect_field = [&](train::LoopOptions o, const std::string& field) {
+    try {
+      train::run(task, o, log);
+      FAIL() << "expected std::invalid_argument for " << field;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  auto o = options(dir / "run");
+  o.batch_size = 0;
+  expect_field(o, "batch_size");
+  o = options(dir / "run");
+  o.lr_decay = 1.5;
+  expect_field(o, "lr_decay");
+  o = options(dir / "run");
+  o.epochs = 0;
+  expect_field(o, "nothing to do");
+  RegressionTask empty(0, true);
+  EXPECT_THROW(train::run(empty, options(dir / "run"), log), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace capsnet
