@@ -8,7 +8,7 @@
 
 #include "capsnet/nn/capsule_linear.h"
 #include "capsnet/nn/primary_caps.h"
-#include "capsnet/train/runtime.h"
+#include "apps/runtime.h"
 
 namespace {
 
@@ -20,7 +20,7 @@ void DigitCaps(benchmark::State& state) {
   const int64_t B = state.range(0);
   const bool fused = state.range(1), backward = state.range(2);
   torch::manual_seed(0);
-  CapsuleLinear layer(CapsuleLinearOptions(1152, 8, 10, 16).fused(fused));
+  CapsuleLinear layer(CapsuleLinearOptions(1152, 8, 10, 16).routing({3, true, fused}));
   auto u = torch::randn({B, 1152, 8}).mul_(0.1).requires_grad_(backward);  // u: [B, I, Din]
   for (auto _ : state) {
     if (backward) {
@@ -66,7 +66,7 @@ BENCHMARK(PrimaryCapsConv)
 }  // namespace
 
 int main(int argc, char** argv) {
-  capsnet::configure_runtime(argc, argv);  // all cores, as the CLI runs
+  capsnet::apps::configure_runtime(argc, argv);  // all cores, as the CLI runs
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -1,4 +1,4 @@
-// capsnet bench: the in-process measurement (train::run_benchmark) and the side-by-side CLI driver,
+// capsnet bench: the in-process measurement (apps::run_benchmark) and the side-by-side CLI driver,
 // including the plain-PyTorch peer (Debian's /usr/bin/python3 + python3-torch, installed by setup.sh).
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "capsnet/train/benchmark.h"
+#include "apps/benchmark.h"
 #include "test_helpers.h"
 
 namespace capsnet {
@@ -16,8 +16,8 @@ namespace {
 using testing::run_command;
 const std::string kCli = CAPSNET_CLI;
 
-train::BenchOptions tiny_bench() {
-  train::BenchOptions o;
+apps::BenchOptions tiny_bench() {
+  apps::BenchOptions o;
   o.model = testing::tiny_config();
   o.batch_size = 4;
   o.warmup_steps = 1;
@@ -31,7 +31,7 @@ TEST(BenchmarkTest, MeasuresPositiveFiniteFiguresForBothRoutingPaths) {
   for (bool fused : {true, false}) {
     auto o = tiny_bench();
     o.fused_routing = fused;
-    const auto r = train::run_benchmark(o);
+    const auto r = apps::run_benchmark(o);
     for (double x : {r.train_img_s, r.infer_img_s, r.latency_b1_ms, r.train_peak_rss_mb}) {
       EXPECT_TRUE(std::isfinite(x)) << "fused=" << fused;
       EXPECT_GT(x, 0) << "fused=" << fused;
@@ -45,32 +45,32 @@ TEST(BenchmarkTest, MeasuresPositiveFiniteFiguresForBothRoutingPaths) {
 }
 
 TEST(BenchmarkTest, PeakRssResetsAndTracksAnAllocation) {
-  train::reset_peak_rss();
-  const double before = train::peak_rss_mb();
+  apps::reset_peak_rss();
+  const double before = apps::peak_rss_mb();
   {
     // 64 MB, touched so it is resident.
     std::vector<char> block(64 << 20, 1);
-    EXPECT_GE(train::rss_mb(), before + 50);
-    EXPECT_GE(train::peak_rss_mb(), before + 50);
+    EXPECT_GE(apps::rss_mb(), before + 50);
+    EXPECT_GE(apps::peak_rss_mb(), before + 50);
   }
-  train::reset_peak_rss();
+  apps::reset_peak_rss();
   // After the reset the peak is the current RSS again (allocator caches may keep some of the block).
-  EXPECT_NEAR(train::peak_rss_mb(), train::rss_mb(), 1.0);
+  EXPECT_NEAR(apps::peak_rss_mb(), apps::rss_mb(), 1.0);
 }
 
 TEST(BenchmarkTest, MedianOfOddAndEvenCounts) {
-  EXPECT_DOUBLE_EQ(train::median({3, 1, 2}), 2.0);
-  EXPECT_DOUBLE_EQ(train::median({4, 1, 3, 2}), 2.5);
-  EXPECT_THROW(train::median({}), c10::Error);
+  EXPECT_DOUBLE_EQ(apps::median({3, 1, 2}), 2.0);
+  EXPECT_DOUBLE_EQ(apps::median({4, 1, 3, 2}), 2.5);
+  EXPECT_THROW(apps::median({}), c10::Error);
 }
 
 TEST(BenchmarkTest, RejectsNonPositiveCounts) {
   auto o = tiny_bench();
   o.steps = 0;
-  EXPECT_THROW(train::run_benchmark(o), c10::Error);
+  EXPECT_THROW(apps::run_benchmark(o), c10::Error);
   o = tiny_bench();
   o.batch_size = 0;
-  EXPECT_THROW(train::run_benchmark(o), c10::Error);
+  EXPECT_THROW(apps::run_benchmark(o), c10::Error);
 }
 
 TEST(BenchCliTest, RunsFusedReferenceAndPeerSideBySideAndWritesJsonLines) {

@@ -15,7 +15,7 @@
 
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/distributed.h"
-#include "capsnet/train/launch.h"
+#include "apps/launch.h"
 #include "test_helpers.h"
 
 namespace capsnet {
@@ -89,28 +89,28 @@ TEST(DistributedEnvTest, RankSlicesPartitionTheBatchEvenly) {
 TEST(DistributedEnvTest, FaultInjectionSpecIsChecked) {
   ::setenv("CAPSNET_FAULT_EXIT_AT_STEP", "1-3", 1);
   try {
-    train::maybe_inject_fault(0, 0);
+    apps::maybe_inject_fault(0, 0);
     ADD_FAILURE() << "malformed spec accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("CAPSNET_FAULT_EXIT_AT_STEP"), std::string::npos) << e.what();
   }
   ::setenv("CAPSNET_FAULT_EXIT_AT_STEP", "1:3", 1);
-  train::maybe_inject_fault(0, 3);  // other rank: no effect
-  train::maybe_inject_fault(1, 2);  // other step: no effect
+  apps::maybe_inject_fault(0, 3);  // other rank: no effect
+  apps::maybe_inject_fault(1, 2);  // other step: no effect
   ::unsetenv("CAPSNET_FAULT_EXIT_AT_STEP");
-  train::maybe_inject_fault(1, 3);  // unset: no effect
+  apps::maybe_inject_fault(1, 3);  // unset: no effect
 }
 
 TEST(DistributedEnvTest, RemoveFlagsDropsBothForms) {
   const std::vector<std::string> args = {"capsnet", "train", "--nproc", "2", "--threads=3", "--steps", "4", "--nproc=5"};
-  EXPECT_EQ(train::remove_flags(args, {"--nproc", "--threads"}),
+  EXPECT_EQ(apps::remove_flags(args, {"--nproc", "--threads"}),
             (std::vector<std::string>{"capsnet", "train", "--steps", "4"}));
 }
 
 /// Runs `body(group)` for ranks 0 and 1 of a real Gloo group, in two threads of this process.
 template <class F>
 void with_two_ranks(F body) {
-  const int port = train::free_tcp_port();
+  const int port = apps::free_tcp_port();
   std::exception_ptr errors[2];
   auto run = [&](int rank) {
     try {
@@ -185,7 +185,7 @@ TEST(DistributedReducerTest, JoiningWithoutPeersTimesOutWithAClearError) {
   train::DistributedEnv env;
   env.rank = 0;
   env.world_size = 2;
-  env.master_port = train::free_tcp_port();
+  env.master_port = apps::free_tcp_port();
   const auto t0 = std::chrono::steady_clock::now();
   try {
     train::ProcessGroup::create(env, train::ProcessGroupOptions().timeout_seconds(1));
@@ -298,7 +298,7 @@ TEST_F(DistributedCliTest, LauncherStopsTheJobWhenARankDies) {
 
 TEST_F(DistributedCliTest, ARankWhosePeerDiesGetsAClearErrorNotAHang) {
   // Ranks started by hand with the torchrun variables; rank 1 crashes at step 1.
-  const int port = train::free_tcp_port();
+  const int port = apps::free_tcp_port();
   const std::string env = fmt::format("WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={} CAPSNET_THREADS=1 "
                                       "CAPSNET_FAULT_EXIT_AT_STEP=1:1",
                                       port);

@@ -109,7 +109,7 @@ TEST(LayersTest, CapsuleLinearPredictionsEqualLoop) {
   capsnet::RoutingOptions o;
   o.iterations = 3;
   EXPECT_TRUE(torch::allclose(v, capsnet::detail::reference_routing(einsum, o), 1e-12, 1e-12));
-  cn::CapsuleLinear one_iteration(cn::CapsuleLinearOptions(I, Din, J, D).routing_iterations(1));
+  cn::CapsuleLinear one_iteration(cn::CapsuleLinearOptions(I, Din, J, D).routing({1}));
   one_iteration->to(torch::kDouble);
   {
     torch::NoGradGuard g;
@@ -129,7 +129,7 @@ TEST(LayersTest, CapsuleLinearPaperShapeAndBadInput) {
   EXPECT_THROW(layer(torch::rand({2, 1151, 8})), c10::Error);
   EXPECT_THROW(layer(torch::rand({2, 1152, 16})), c10::Error);
   EXPECT_THROW(layer(torch::rand({1152, 8})), c10::Error);
-  EXPECT_THROW(cn::CapsuleLinear(cn::CapsuleLinearOptions(4, 8, 10, 16).routing_iterations(0)), c10::Error);
+  EXPECT_THROW(cn::CapsuleLinear(cn::CapsuleLinearOptions(4, 8, 10, 16).routing({0})), std::invalid_argument);
   EXPECT_THROW(cn::CapsuleLinear(cn::CapsuleLinearOptions(4, 0, 10, 16)), c10::Error);
 }
 
@@ -183,8 +183,7 @@ TEST(LayersTest, GradcheckCapsuleLinear) {
     for (int64_t r : {1, 3}) {
       torch::manual_seed(16 + r);
       cn::CapsuleLinear layer(
-          cn::CapsuleLinearOptions(4, 3, 3, 2).routing_iterations(r).grad_through_routing(grad_through).weight_std(
-              0.7));
+          cn::CapsuleLinearOptions(4, 3, 3, 2).routing({r, grad_through}).weight_std(0.7));
       layer->to(torch::kDouble);
       auto u = torch::randn({2, 4, 3}, torch::kDouble).set_requires_grad(true);
       if (grad_through) {
@@ -254,9 +253,9 @@ namespace {
 TEST(LayersFusedTest, FusedAndCompositePathsAgreeAtPaperSize) {
   for (bool grad_through : {true, false}) {
     torch::manual_seed(29);
-    cn::CapsuleLinear fused(cn::CapsuleLinearOptions(1152, 8, 10, 16).grad_through_routing(grad_through));
+    cn::CapsuleLinear fused(cn::CapsuleLinearOptions(1152, 8, 10, 16).routing({3, grad_through}));
     cn::CapsuleLinear composite(
-        cn::CapsuleLinearOptions(1152, 8, 10, 16).grad_through_routing(grad_through).fused(false));
+        cn::CapsuleLinearOptions(1152, 8, 10, 16).routing({3, grad_through, false}));
     {
       torch::NoGradGuard g;
       composite->weight.copy_(fused->weight);

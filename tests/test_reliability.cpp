@@ -17,7 +17,7 @@
 #include "capsnet/data/mnist.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/metrics.h"
-#include "capsnet/viz/report.h"
+#include "apps/report.h"
 #include "test_helpers.h"
 
 namespace capsnet {
@@ -191,7 +191,7 @@ TEST(Reliability, ReportSurvivesNestedArraysAndMalformedMetricsLines) {
               "{\"event\":\"eval\",\"step\":5,\"accuracy\":0.9}\n"
               "{\"event\":\"tr");                                 // cut by a crash
   write_bytes(dir / "run/bench.jsonl", "{\"summary\":\"yes\"}\n{\"summary\":true,\"median\":[1,2],\"ratios\":5}\n");
-  const auto summary = viz::write_report(dir.str(), dir / "report.html", "t");
+  const auto summary = apps::write_report(dir.str(), dir / "report.html", "t");
   EXPECT_EQ(summary.runs_with_metrics, 1);
   const auto html = read_bytes(dir / "report.html");
   expect_contains(html, "90.00%");  // the one good eval record

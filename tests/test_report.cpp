@@ -7,7 +7,7 @@
 #include <regex>
 
 #include "capsnet/viz/png.h"
-#include "capsnet/viz/report.h"
+#include "apps/report.h"
 #include "test_helpers.h"
 
 namespace capsnet {
@@ -30,44 +30,44 @@ size_t count(const std::string& text, const std::string& needle) {
 }
 
 TEST(ReportTest, Base64MatchesRfc4648Vectors) {
-  EXPECT_EQ(viz::base64_encode(""), "");
-  EXPECT_EQ(viz::base64_encode("f"), "Zg==");
-  EXPECT_EQ(viz::base64_encode("fo"), "Zm8=");
-  EXPECT_EQ(viz::base64_encode("foo"), "Zm9v");
-  EXPECT_EQ(viz::base64_encode("foob"), "Zm9vYg==");
-  EXPECT_EQ(viz::base64_encode("fooba"), "Zm9vYmE=");
-  EXPECT_EQ(viz::base64_encode("foobar"), "Zm9vYmFy");
-  EXPECT_EQ(viz::base64_encode(std::string("\xff\x00\x80", 3)), "/wCA");
+  EXPECT_EQ(apps::base64_encode(""), "");
+  EXPECT_EQ(apps::base64_encode("f"), "Zg==");
+  EXPECT_EQ(apps::base64_encode("fo"), "Zm8=");
+  EXPECT_EQ(apps::base64_encode("foo"), "Zm9v");
+  EXPECT_EQ(apps::base64_encode("foob"), "Zm9vYg==");
+  EXPECT_EQ(apps::base64_encode("fooba"), "Zm9vYmE=");
+  EXPECT_EQ(apps::base64_encode("foobar"), "Zm9vYmFy");
+  EXPECT_EQ(apps::base64_encode(std::string("\xff\x00\x80", 3)), "/wCA");
 }
 
 TEST(ReportTest, HtmlEscapeNeutralisesMarkup) {
-  EXPECT_EQ(viz::html_escape("<script>alert('x') & \"y\"</script>"),
+  EXPECT_EQ(apps::html_escape("<script>alert('x') & \"y\"</script>"),
             "&lt;script&gt;alert(&#39;x&#39;) &amp; &quot;y&quot;&lt;/script&gt;");
 }
 
 TEST(ReportTest, ChartMapsExtremesToThePlotCorners) {
   // 560x260 with margins left 60, right 12, top 12, bottom 40: plot area x in [60, 548], y in [12, 220].
-  const auto svg = viz::svg_line_chart({{"loss", {0, 10}, {1, 3}}}, "step", "loss");
+  const auto svg = apps::svg_line_chart({{"loss", {0, 10}, {1, 3}}}, "step", "loss");
   EXPECT_NE(svg.find("points=\"60.0,220.0 548.0,12.0 \""), std::string::npos) << svg;
   EXPECT_EQ(count(svg, "<polyline"), 1u);
   EXPECT_NE(svg.find(">loss</text>"), std::string::npos);
-  EXPECT_THROW(viz::svg_line_chart({{"bad", {0, 1}, {1}}}, "x", "y"), std::invalid_argument);
+  EXPECT_THROW(apps::svg_line_chart({{"bad", {0, 1}, {1}}}, "x", "y"), std::invalid_argument);
   // Empty series are skipped; all-empty gives a placeholder, not a crash.
-  EXPECT_NE(viz::svg_line_chart({{"none", {}, {}}}, "x", "y").find("no data"), std::string::npos);
+  EXPECT_NE(apps::svg_line_chart({{"none", {}, {}}}, "x", "y").find("no data"), std::string::npos);
 }
 
 TEST(ReportTest, JsonTableHasOneRowPerObjectAndUnionOfScalarColumns) {
   auto rows = nlohmann::json::parse(R"([{"r":1,"error":0.01},{"r":3,"error":0.008,"note":"<b>"}])");
-  const auto html = viz::json_table(rows);
+  const auto html = apps::json_table(rows);
   EXPECT_EQ(count(html, "<tr>"), 3u);  // header + 2 rows
   // nlohmann::json keeps object keys sorted, so "error" comes before "r" unless asked to lead.
   EXPECT_NE(html.find("<th>error</th><th>r</th><th>note</th>"), std::string::npos) << html;
-  EXPECT_NE(viz::json_table(rows, {"r", "absent"}).find("<th>r</th><th>error</th><th>note</th>"), std::string::npos);
+  EXPECT_NE(apps::json_table(rows, {"r", "absent"}).find("<th>r</th><th>error</th><th>note</th>"), std::string::npos);
   EXPECT_NE(html.find("<td>0.008</td>"), std::string::npos) << html;
   EXPECT_NE(html.find("&lt;b&gt;"), std::string::npos);
   EXPECT_EQ(html.find("<b>"), std::string::npos);
   // Nested values: a list of numbers is shown as a list, an object as a table inside the cell.
-  auto nested = viz::json_table(nlohmann::json::parse(R"({"dims":[0.5,0.25],"inner":{"k":1}})"));
+  auto nested = apps::json_table(nlohmann::json::parse(R"({"dims":[0.5,0.25],"inner":{"k":1}})"));
   EXPECT_NE(nested.find("[0.5, 0.25]"), std::string::npos) << nested;
   EXPECT_NE(nested.find("<td><table>\n<tr><th>k</th><td>1</td></tr>\n</table>\n</td>"), std::string::npos) << nested;
 }
@@ -93,7 +93,7 @@ TEST(ReportTest, PageGathersCurvesFiguresAndTables) {
       << R"("ratios":{"fused/peer":{"train_speedup":2.32}}})" << '\n';
 
   const std::string out = runs + "/report.html";
-  const auto s = viz::write_report(runs, out, "T<1>");
+  const auto s = apps::write_report(runs, out, "T<1>");
   EXPECT_EQ(s.runs_with_metrics, 1);
   EXPECT_EQ(s.figures, 1);
   EXPECT_EQ(s.tables, 3);  // ablation.json + bench medians + bench ratios
@@ -105,7 +105,7 @@ TEST(ReportTest, PageGathersCurvesFiguresAndTables) {
   EXPECT_NE(html.find("<td>92.3</td>"), std::string::npos);
   EXPECT_NE(html.find("<td>fused/peer</td>"), std::string::npos);
   // Writing the page again over the old one (inside the scanned dir) does not embed itself.
-  viz::write_report(runs, out, "T<1>");
+  apps::write_report(runs, out, "T<1>");
   EXPECT_EQ(slurp(out), html);
 }
 

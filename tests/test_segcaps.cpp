@@ -60,13 +60,13 @@ void check_layer_against_reference(Layer& layer, const std::vector<int64_t>& inp
                                    double tol) {
   layer->to(dtype);
   auto u = torch::randn(input_shape, torch::TensorOptions().dtype(dtype)).requires_grad_();
-  auto routing = layer->routing_options();
+  auto routing = layer->options.routing();
   auto geometry = layer->geometry();
   const auto R = torch::randn(layer->forward(u).sizes(), torch::TensorOptions().dtype(dtype));
   auto ref = run_with_grads([&] { return cdetail::reference_capsule_conv(u, layer->weight, layer->bias, geometry, routing); },
                        u, layer->weight, layer->bias, R);
   for (bool fused : {true, false}) {
-    layer->options.fused(fused);
+    layer->options.routing().fused = fused;
     auto fast = run_with_grads([&] { return layer->forward(u); }, u, layer->weight, layer->bias, R);
     SCOPED_TRACE(fused ? "fused routing" : "composite routing");
     EXPECT_TRUE(torch::allclose(fast.v, ref.v, tol, tol)) << (fast.v - ref.v).abs().max();
@@ -97,9 +97,8 @@ TEST(SegCapsConv, ConvMatchesReferenceValuesAndGradients) {
                               .kernel_size(c.k)
                               .stride(c.s)
                               .padding(c.p)
-                              .routing_iterations(c.r)
+                              .routing({c.r, c.grad_through})
                               .share_across_types(c.share)
-                              .grad_through_routing(c.grad_through)
                               .weight_std(0.5));
       {
         torch::NoGradGuard g;
@@ -126,7 +125,7 @@ TEST(SegCapsConv, TransposedMatchesReferenceValuesAndGradients) {
                                        .stride(c.s)
                                        .padding(c.p)
                                        .output_padding(c.op)
-                                       .routing_iterations(c.r)
+                                       .routing({c.r})
                                        .share_across_types(c.share)
                                        .weight_std(0.5));
       {
@@ -160,7 +159,7 @@ TEST(SegCapsConv, ReferencePredictionsMatchAHandComputedValue) {
 TEST(SegCapsConv, OneIterationIsUniformCoupling) {
   // r = 1: c = 1/T_out for every child, so v_j = squash(sum_i u_hat_{j|i} / T_out) at every position.
   torch::manual_seed(3);
-  CapsuleConv2d layer(CapsuleConv2dOptions(3, 2, 4, 5).kernel_size(3).padding(1).routing_iterations(1));
+  CapsuleConv2d layer(CapsuleConv2dOptions(3, 2, 4, 5).kernel_size(3).padding(1).routing({1}));
   auto u = torch::randn({2, 3, 2, 4, 4});
   auto u_hat = layer->predictions(u);  // [B, T_in, T_out, A_out, H, W]
   auto expected = capsnet::squash(u_hat.sum(1) / 4.0, /*dim=*/2);
@@ -170,8 +169,9 @@ TEST(SegCapsConv, OneIterationIsUniformCoupling) {
 TEST(SegCapsConv, Float64GradcheckConv) {
   torch::manual_seed(4);
   for (bool fused : {true, false}) {
-    CapsuleConv2d layer(CapsuleConv2dOptions(2, 2, 2, 3).kernel_size(3).stride(2).padding(1).routing_iterations(3)
-                            .fused(fused).weight_std(0.7));
+    CapsuleConv2d layer(CapsuleConv2dOptions(2, 2, 2, 3).kernel_size(3).stride(2).padding(1)
+                            .routing({3, true, fused})
+                            .weight_std(0.7));
     layer->to(torch::kDouble);
     {
       torch::NoGradGuard g;
@@ -186,7 +186,7 @@ TEST(SegCapsConv, Float64GradcheckConv) {
 
 TEST(SegCapsConv, Float64GradcheckTransposed) {
   torch::manual_seed(5);
-  CapsuleConvTranspose2d layer(CapsuleConvTranspose2dOptions(2, 2, 2, 2).routing_iterations(2).weight_std(0.7));
+  CapsuleConvTranspose2d layer(CapsuleConvTranspose2dOptions(2, 2, 2, 2).routing({2}).weight_std(0.7));
   layer->to(torch::kDouble);
   {
     torch::NoGradGuard g;
@@ -228,7 +228,7 @@ TEST(SegCapsConv, BadInputAndOptions) {
   expect_invalid([&] { deconv->forward(torch::randn({1, 2, 5, 4, 4})); }, "A_in = 3");
   expect_invalid([] { CapsuleConv2d(CapsuleConv2dOptions(2, 3, 4, 5).kernel_size(0)); }, "kernel_size");
   expect_invalid([] { CapsuleConv2d(CapsuleConv2dOptions(0, 3, 4, 5)); }, "in_types");
-  expect_invalid([] { CapsuleConv2d(CapsuleConv2dOptions(2, 3, 4, 5).routing_iterations(0)); }, "routing_iterations");
+  expect_invalid([] { CapsuleConv2d(CapsuleConv2dOptions(2, 3, 4, 5).routing({0})); }, "routing iterations");
   expect_invalid([] { CapsuleConvTranspose2d(CapsuleConvTranspose2dOptions(2, 3, 4, 5).output_padding(2)); },
                  "output_padding");
   expect_invalid([] { capsnet::nn::local_routing(torch::randn({2, 3, 4, 5}), {}); }, "6 dims");

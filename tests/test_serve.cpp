@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "capsnet/train/checkpoint.h"
-#include "capsnet/viz/serve.h"
+#include "apps/serve.h"
 #include "test_helpers.h"
 
 namespace capsnet {
@@ -49,11 +49,11 @@ class ServeHttp : public ::testing::Test {
     std::ofstream(dir / "outside/metrics.jsonl") << R"({"secret":true})" << '\n';
     std::filesystem::create_directory_symlink(dir / "outside", runs + "/linked");
 
-    viz::ServeOptions options;
+    apps::ServeOptions options;
     options.port = 0;
     options.runs_dir = runs;
     options.worker_threads = 2;
-    viewer = std::make_unique<viz::LiveViewer>(model, options);
+    viewer = std::make_unique<apps::LiveViewer>(model, options);
     port = viewer->bind();
     thread = std::thread([this] { viewer->listen(); });
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -75,7 +75,7 @@ class ServeHttp : public ::testing::Test {
   TempDir dir;
   std::string runs;
   models::CapsNet model{nullptr};
-  std::unique_ptr<viz::LiveViewer> viewer;
+  std::unique_ptr<apps::LiveViewer> viewer;
   std::unique_ptr<httplib::Client> client;
   std::thread thread;
   int port = 0;
@@ -210,11 +210,11 @@ TEST_F(ServeHttp, PageIsSelfContainedAndHostHeaderIsChecked) {
 TEST(ServeApi, RejectsModelsWithoutDecoderAndBadOptions) {
   auto config = testing::tiny_config();
   config.reconstruction = false;
-  EXPECT_THROW(viz::LiveViewerApi(models::CapsNet(config), {}), std::invalid_argument);
-  viz::ServeOptions small;
+  EXPECT_THROW(apps::LiveViewerApi(models::CapsNet(config), {}), std::invalid_argument);
+  apps::ServeOptions small;
   small.max_body_bytes = 10;
   try {
-    viz::LiveViewerApi(models::CapsNet(testing::tiny_config()), small);
+    apps::LiveViewerApi(models::CapsNet(testing::tiny_config()), small);
     FAIL() << "expected std::invalid_argument";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("max_body_bytes"), std::string::npos) << e.what();
@@ -238,10 +238,10 @@ namespace capsnet {
 namespace {
 
 TEST_F(ServeHttp, ASecondServerOnTheSamePortIsRefused) {
-  viz::ServeOptions options;
+  apps::ServeOptions options;
   options.port = port;  // the port the fixture's server listens on
   options.runs_dir = runs;
-  viz::LiveViewer second(model, options);
+  apps::LiveViewer second(model, options);
   try {
     second.bind();
     FAIL() << "a second server bound port " << port;

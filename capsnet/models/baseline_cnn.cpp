@@ -5,6 +5,8 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "capsnet/models/config_io.h"
+
 namespace capsnet::models {
 
 int64_t BaselineCnnConfig::feature_size() const { return pooling ? image_size / 2 / 2 : image_size; }
@@ -52,40 +54,10 @@ void BaselineCnnConfig::validate() const {
     throw std::invalid_argument(fmt::format("baseline CNN config: dropout must be in [0, 1), got {}", dropout));
 }
 
-nlohmann::json BaselineCnnConfig::to_json() const {
-  return {{"image_channels", image_channels}, {"image_size", image_size},   {"conv1_channels", conv1_channels},
-          {"conv2_channels", conv2_channels}, {"conv3_channels", conv3_channels}, {"kernel_size", kernel_size},
-          {"pooling", pooling},               {"fc1_units", fc1_units},     {"fc2_units", fc2_units},
-          {"num_classes", num_classes},       {"dropout", dropout},         {"stn", stn}};
-}
+nlohmann::json BaselineCnnConfig::to_json() const { return config_io::to_json(*this); }
 
 BaselineCnnConfig BaselineCnnConfig::from_json(const nlohmann::json& j) {
-  if (!j.is_object()) throw std::invalid_argument("baseline CNN config: expected a JSON object");
-  BaselineCnnConfig c;
-  const auto known = c.to_json();
-  for (const auto& [key, value] : j.items()) {
-    if (!known.contains(key)) throw std::invalid_argument("baseline CNN config: unknown key '" + key + "'");
-    // An integer may stand for a real, not the reverse (get<int64_t> would truncate 28.5 to 28).
-    if (value.type() != known[key].type() && !(value.is_number_integer() && known[key].is_number()))
-      throw std::invalid_argument("baseline CNN config: wrong type for '" + key + "'");
-  }
-  auto get = [&](const char* key, auto& field) {
-    if (j.contains(key)) field = j.at(key).get<std::decay_t<decltype(field)>>();
-  };
-  get("image_channels", c.image_channels);
-  get("image_size", c.image_size);
-  get("conv1_channels", c.conv1_channels);
-  get("conv2_channels", c.conv2_channels);
-  get("conv3_channels", c.conv3_channels);
-  get("kernel_size", c.kernel_size);
-  get("pooling", c.pooling);
-  get("fc1_units", c.fc1_units);
-  get("fc2_units", c.fc2_units);
-  get("num_classes", c.num_classes);
-  get("dropout", c.dropout);
-  get("stn", c.stn);
-  c.validate();
-  return c;
+  return config_io::from_json<BaselineCnnConfig>(j, "baseline CNN config");
 }
 
 BaselineCnnImpl::BaselineCnnImpl(const BaselineCnnConfig& config_) : config(config_) { reset(); }

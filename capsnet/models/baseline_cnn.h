@@ -49,6 +49,22 @@ struct BaselineCnnConfig {
   int64_t num_parameters() const;
   /// Throws std::invalid_argument naming the bad field and value.
   void validate() const;
+  /// The field list (config_io.h): JSON in both directions is built from it.
+  template <class Self, class F>
+  static void fields(Self& c, F&& f) {
+    f("image_channels", c.image_channels);
+    f("image_size", c.image_size);
+    f("conv1_channels", c.conv1_channels);
+    f("conv2_channels", c.conv2_channels);
+    f("conv3_channels", c.conv3_channels);
+    f("kernel_size", c.kernel_size);
+    f("pooling", c.pooling);
+    f("fc1_units", c.fc1_units);
+    f("fc2_units", c.fc2_units);
+    f("num_classes", c.num_classes);
+    f("dropout", c.dropout);
+    f("stn", c.stn);
+  }
   nlohmann::json to_json() const;
   /// Missing keys keep their defaults; unknown keys and wrong types throw std::invalid_argument.
   static BaselineCnnConfig from_json(const nlohmann::json& j);

@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "capsnet/models/config_io.h"
+
 namespace capsnet::models {
 
 int64_t CapsNetConfig::primary_grid() const {
@@ -58,47 +60,10 @@ void CapsNetConfig::validate() const {
     throw std::invalid_argument(fmt::format("model config: {:.3g} parameters, more than the supported 2e9", params));
 }
 
-nlohmann::json CapsNetConfig::to_json() const {
-  return {{"image_channels", image_channels},   {"image_size", image_size},
-          {"conv1_channels", conv1_channels},   {"conv1_kernel", conv1_kernel},
-          {"primary_types", primary_types},     {"primary_dim", primary_dim},
-          {"primary_kernel", primary_kernel},   {"primary_stride", primary_stride},
-          {"num_classes", num_classes},         {"digit_dim", digit_dim},
-          {"routing_iterations", routing_iterations}, {"grad_through_routing", grad_through_routing},
-          {"reconstruction", reconstruction},   {"reconstruction_scale", reconstruction_scale},
-          {"stn", stn}};
-}
+nlohmann::json CapsNetConfig::to_json() const { return config_io::to_json(*this); }
 
 CapsNetConfig CapsNetConfig::from_json(const nlohmann::json& j) {
-  if (!j.is_object()) throw std::invalid_argument("model config: expected a JSON object");
-  CapsNetConfig c;
-  const auto known = c.to_json();
-  for (const auto& [key, value] : j.items()) {
-    if (!known.contains(key)) throw std::invalid_argument("model config: unknown key '" + key + "'");
-    // An integer may stand for a real, not the reverse: get<int64_t> would truncate 28.5 to 28.
-    if (value.type() != known[key].type() && !(value.is_number_integer() && known[key].is_number()))
-      throw std::invalid_argument("model config: wrong type for '" + key + "'");
-  }
-  auto get = [&](const char* key, auto& field) {
-    if (j.contains(key)) field = j.at(key).get<std::decay_t<decltype(field)>>();
-  };
-  get("image_channels", c.image_channels);
-  get("image_size", c.image_size);
-  get("conv1_channels", c.conv1_channels);
-  get("conv1_kernel", c.conv1_kernel);
-  get("primary_types", c.primary_types);
-  get("primary_dim", c.primary_dim);
-  get("primary_kernel", c.primary_kernel);
-  get("primary_stride", c.primary_stride);
-  get("num_classes", c.num_classes);
-  get("digit_dim", c.digit_dim);
-  get("routing_iterations", c.routing_iterations);
-  get("grad_through_routing", c.grad_through_routing);
-  get("reconstruction", c.reconstruction);
-  get("reconstruction_scale", c.reconstruction_scale);
-  get("stn", c.stn);
-  c.validate();
-  return c;
+  return config_io::from_json<CapsNetConfig>(j, "model config");
 }
 
 CapsNetImpl::CapsNetImpl(const CapsNetConfig& config_) : config(config_) { reset(); }
@@ -116,8 +81,7 @@ void CapsNetImpl::reset() {
   digit_caps = register_module(
       "digit_caps", nn::CapsuleLinear(nn::CapsuleLinearOptions(config.num_primary_caps(), config.primary_dim,
                                                                config.num_classes, config.digit_dim)
-                                          .routing_iterations(config.routing_iterations)
-                                          .grad_through_routing(config.grad_through_routing)));
+                                          .routing({config.routing_iterations, config.grad_through_routing})));
   if (config.reconstruction) {
     const int64_t pixels = config.image_channels * config.image_size * config.image_size;
     decoder = register_module("decoder",

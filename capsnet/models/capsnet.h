@@ -28,8 +28,8 @@ struct CapsNetConfig {
   int64_t primary_stride = 2;
   int64_t num_classes = 10;
   int64_t digit_dim = 16;
-  int64_t routing_iterations = 3;
-  bool grad_through_routing = true;
+  int64_t routing_iterations = RoutingOptions{}.iterations;
+  bool grad_through_routing = RoutingOptions{}.grad_through_routing;
   bool reconstruction = true;  // decoder + 0.0005 * SSE term
   double reconstruction_scale = 0.0005;
   bool stn = false;  // a SpatialTransformer warps the input first (Jaderberg et al. 2015); absent in old configs
@@ -40,6 +40,25 @@ struct CapsNetConfig {
   int64_t num_primary_caps() const;
   /// Throws std::invalid_argument naming the bad field (e.g. an image too small for the kernels).
   void validate() const;
+  /// The field list (config_io.h): JSON in both directions is built from it.
+  template <class Self, class F>
+  static void fields(Self& c, F&& f) {
+    f("image_channels", c.image_channels);
+    f("image_size", c.image_size);
+    f("conv1_channels", c.conv1_channels);
+    f("conv1_kernel", c.conv1_kernel);
+    f("primary_types", c.primary_types);
+    f("primary_dim", c.primary_dim);
+    f("primary_kernel", c.primary_kernel);
+    f("primary_stride", c.primary_stride);
+    f("num_classes", c.num_classes);
+    f("digit_dim", c.digit_dim);
+    f("routing_iterations", c.routing_iterations);
+    f("grad_through_routing", c.grad_through_routing);
+    f("reconstruction", c.reconstruction);
+    f("reconstruction_scale", c.reconstruction_scale);
+    f("stn", c.stn);
+  }
   nlohmann::json to_json() const;
   /// Missing keys keep their defaults; unknown keys and wrong types throw std::invalid_argument.
   static CapsNetConfig from_json(const nlohmann::json& j);
@@ -66,7 +85,7 @@ class CapsNetImpl : public torch::nn::Cloneable<CapsNetImpl> {
   /// Decodes one (masked) capsule per example. v: [B, K, D]; which: [B] -> [B, C*H*W].
   torch::Tensor decode(const torch::Tensor& v, const torch::Tensor& which);
   /// Routes with the fused operator (default) or the composite reference-style path; same math.
-  void set_fused_routing(bool fused) { digit_caps->options.fused(fused); }
+  void set_fused_routing(bool fused) { digit_caps->options.routing().fused = fused; }
   /// Precision of the convolutions and the decoder (runtime only: weights and checkpoints stay fp32).
   void set_precision(nn::Precision precision) { precision_ = precision; }
   nn::Precision precision() const { return precision_; }

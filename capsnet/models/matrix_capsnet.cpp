@@ -4,6 +4,8 @@
 
 #include <stdexcept>
 
+#include "capsnet/models/config_io.h"
+
 namespace capsnet::models {
 
 std::array<int64_t, 3> MatrixCapsNetConfig::grid_sides() const {
@@ -53,24 +55,9 @@ void MatrixCapsNetConfig::validate() const {
 }
 
 nlohmann::json MatrixCapsNetConfig::to_json() const {
-  return {{"image_channels", image_channels},
-          {"image_size", image_size},
-          {"conv1_channels", conv1_channels},
-          {"conv1_kernel", conv1_kernel},
-          {"conv1_stride", conv1_stride},
-          {"primary_types", primary_types},
-          {"conv1_caps_types", conv1_caps_types},
-          {"conv2_caps_types", conv2_caps_types},
-          {"caps_kernel", caps_kernel},
-          {"conv1_caps_stride", conv1_caps_stride},
-          {"conv2_caps_stride", conv2_caps_stride},
-          {"num_classes", num_classes},
-          {"routing_iterations", routing_iterations},
-          {"lambda_first", lambda_first},
-          {"lambda_last", lambda_last},
-          {"normalize_cost", normalize_cost},
-          {"coordinate_addition", coordinate_addition},
-          {"grid_sides", grid_sides()}};
+  auto j = config_io::to_json(*this);
+  j["grid_sides"] = grid_sides();  // derived, for readers of the metrics
+  return j;
 }
 
 MatrixCapsNetImpl::MatrixCapsNetImpl(const MatrixCapsNetConfig& config_) : config(config_) { reset(); }

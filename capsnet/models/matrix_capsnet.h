@@ -28,7 +28,7 @@ struct MatrixCapsNetConfig {
   int64_t conv1_caps_stride = 2;
   int64_t conv2_caps_stride = 1;
   int64_t num_classes = 10;
-  int64_t routing_iterations = 3;
+  int64_t routing_iterations = EmRoutingOptions{}.iterations;
   // Inverse temperature of routing iteration 1 and of the last one (linear in between). 0.01, not 1:
   // with 1 the class activations saturated and training collapsed to equal lengths (MNIST 8.5% vs
   // 46.1% with 0.01 after the same 150 steps of 32; docs/em.md).
@@ -43,6 +43,27 @@ struct MatrixCapsNetConfig {
   EmRoutingOptions routing() const;
   /// Throws std::invalid_argument naming the bad field (e.g. an image too small for the kernels).
   void validate() const;
+  /// The field list (config_io.h): JSON in both directions is built from it.
+  template <class Self, class F>
+  static void fields(Self& c, F&& f) {
+    f("image_channels", c.image_channels);
+    f("image_size", c.image_size);
+    f("conv1_channels", c.conv1_channels);
+    f("conv1_kernel", c.conv1_kernel);
+    f("conv1_stride", c.conv1_stride);
+    f("primary_types", c.primary_types);
+    f("conv1_caps_types", c.conv1_caps_types);
+    f("conv2_caps_types", c.conv2_caps_types);
+    f("caps_kernel", c.caps_kernel);
+    f("conv1_caps_stride", c.conv1_caps_stride);
+    f("conv2_caps_stride", c.conv2_caps_stride);
+    f("num_classes", c.num_classes);
+    f("routing_iterations", c.routing_iterations);
+    f("lambda_first", c.lambda_first);
+    f("lambda_last", c.lambda_last);
+    f("normalize_cost", c.normalize_cost);
+    f("coordinate_addition", c.coordinate_addition);
+  }
   nlohmann::json to_json() const;
 };
 

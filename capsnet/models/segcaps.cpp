@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "capsnet/models/config_io.h"
 #include "capsnet/nn/functional.h"
 
 namespace capsnet::models {
@@ -33,50 +34,10 @@ void SegCapsConfig::validate() const {
         "segcaps config: kernel and stem_kernel must be odd ('same' padding), got {} and {}", kernel, stem_kernel));
 }
 
-nlohmann::json SegCapsConfig::to_json() const {
-  return {{"image_size", image_size},
-          {"stem_channels", stem_channels},
-          {"stem_kernel", stem_kernel},
-          {"primary_types", primary_types},
-          {"primary_atoms", primary_atoms},
-          {"types", types},
-          {"low_atoms", low_atoms},
-          {"high_atoms", high_atoms},
-          {"kernel", kernel},
-          {"seg_atoms", seg_atoms},
-          {"routing_iterations", routing_iterations},
-          {"grad_through_routing", grad_through_routing},
-          {"share_across_types", share_across_types}};
-}
+nlohmann::json SegCapsConfig::to_json() const { return config_io::to_json(*this); }
 
 SegCapsConfig SegCapsConfig::from_json(const nlohmann::json& j) {
-  if (!j.is_object()) throw std::invalid_argument("segcaps config: expected a JSON object");
-  SegCapsConfig c;
-  const auto known = c.to_json();
-  for (const auto& [key, value] : j.items()) {
-    if (!known.contains(key)) throw std::invalid_argument("segcaps config: unknown key '" + key + "'");
-    const bool both_integers = value.is_number_integer() && known[key].is_number_integer();
-    if (value.type() != known[key].type() && !both_integers)
-      throw std::invalid_argument("segcaps config: wrong type for '" + key + "'");
-  }
-  auto get = [&](const char* key, auto& field) {
-    if (j.contains(key)) field = j.at(key).get<std::decay_t<decltype(field)>>();
-  };
-  get("image_size", c.image_size);
-  get("stem_channels", c.stem_channels);
-  get("stem_kernel", c.stem_kernel);
-  get("primary_types", c.primary_types);
-  get("primary_atoms", c.primary_atoms);
-  get("types", c.types);
-  get("low_atoms", c.low_atoms);
-  get("high_atoms", c.high_atoms);
-  get("kernel", c.kernel);
-  get("seg_atoms", c.seg_atoms);
-  get("routing_iterations", c.routing_iterations);
-  get("grad_through_routing", c.grad_through_routing);
-  get("share_across_types", c.share_across_types);
-  c.validate();
-  return c;
+  return config_io::from_json<SegCapsConfig>(j, "segcaps config");
 }
 
 SegCapsImpl::SegCapsImpl(const SegCapsConfig& config_) : config(config_) { reset(); }
@@ -90,14 +51,12 @@ void SegCapsImpl::reset() {
                                  .kernel_size(kernel)
                                  .stride(stride)
                                  .padding(kernel / 2)
-                                 .routing_iterations(iters)
-                                 .grad_through_routing(c.grad_through_routing)
+                                 .routing({iters, c.grad_through_routing})
                                  .share_across_types(c.share_across_types));
   };
   auto deconv = [&](int64_t ti, int64_t ai, int64_t to, int64_t ao) {
     return nn::CapsuleConvTranspose2d(nn::CapsuleConvTranspose2dOptions(ti, ai, to, ao)
-                                          .routing_iterations(r)
-                                          .grad_through_routing(c.grad_through_routing)
+                                          .routing({r, c.grad_through_routing})
                                           .share_across_types(c.share_across_types));
   };
   stem = register_module("stem", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, c.stem_channels, c.stem_kernel)
@@ -142,8 +101,8 @@ torch::Tensor SegCapsImpl::loss(const SegCapsOutput& out, const torch::Tensor& m
 }
 
 void SegCapsImpl::set_fused_routing(bool fused) {
-  for (auto* layer : {&primary, &down1, &down2, &bottom, &up1_conv, &seg}) (*layer)->options.fused(fused);
-  for (auto* layer : {&up1, &up2}) (*layer)->options.fused(fused);
+  for (auto* layer : {&primary, &down1, &down2, &bottom, &up1_conv, &seg}) (*layer)->options.routing().fused = fused;
+  for (auto* layer : {&up1, &up2}) (*layer)->options.routing().fused = fused;
 }
 
 }  // namespace capsnet::models

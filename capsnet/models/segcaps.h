@@ -33,12 +33,29 @@ struct SegCapsConfig {
   int64_t high_atoms = 16;    // Ha, at S/4
   int64_t kernel = 5;         // odd: capsule conv kernels in the down/up path ("same" padding)
   int64_t seg_atoms = 16;     // atoms of the final segmentation capsule
-  int64_t routing_iterations = 3;
-  bool grad_through_routing = true;
+  int64_t routing_iterations = RoutingOptions{}.iterations;
+  bool grad_through_routing = RoutingOptions{}.grad_through_routing;
   bool share_across_types = false;  // see nn::CapsuleConv2dOptions::share_across_types
 
   /// Throws std::invalid_argument naming the bad field.
   void validate() const;
+  /// The field list (config_io.h): JSON in both directions is built from it.
+  template <class Self, class F>
+  static void fields(Self& c, F&& f) {
+    f("image_size", c.image_size);
+    f("stem_channels", c.stem_channels);
+    f("stem_kernel", c.stem_kernel);
+    f("primary_types", c.primary_types);
+    f("primary_atoms", c.primary_atoms);
+    f("types", c.types);
+    f("low_atoms", c.low_atoms);
+    f("high_atoms", c.high_atoms);
+    f("kernel", c.kernel);
+    f("seg_atoms", c.seg_atoms);
+    f("routing_iterations", c.routing_iterations);
+    f("grad_through_routing", c.grad_through_routing);
+    f("share_across_types", c.share_across_types);
+  }
   nlohmann::json to_json() const;
   /// Missing keys keep their defaults; unknown keys and wrong types throw std::invalid_argument.
   static SegCapsConfig from_json(const nlohmann::json& j);

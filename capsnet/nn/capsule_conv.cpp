@@ -22,7 +22,7 @@ struct LayerShape {
 };
 
 void check_options(const char* layer, const LayerShape& s, const detail::CapsuleConvGeometry& g,
-                   int64_t iterations) {
+                   const RoutingOptions& routing) {
   auto positive = [&](const char* name, int64_t v) {
     if (v <= 0) throw std::invalid_argument(fmt::format("{}: {} must be positive, got {}", layer, name, v));
   };
@@ -36,8 +36,11 @@ void check_options(const char* layer, const LayerShape& s, const detail::Capsule
   if (g.output_padding < 0 || (g.output_padding > 0 && g.output_padding >= g.stride))
     throw std::invalid_argument(
         fmt::format("{}: output_padding must be in [0, stride) = [0, {}), got {}", layer, g.stride, g.output_padding));
-  if (iterations < 1)
-    throw std::invalid_argument(fmt::format("{}: routing_iterations must be >= 1, got {}", layer, iterations));
+  try {
+    routing.validate();
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(fmt::format("{}: {}", layer, e.what()));
+  }
 }
 
 void check_capsules(const char* layer, const torch::Tensor& u, const LayerShape& s,
@@ -93,7 +96,7 @@ torch::Tensor fast_predictions(const torch::Tensor& u, const torch::Tensor& weig
 
 }  // namespace
 
-torch::Tensor local_routing(const torch::Tensor& u_hat, const RoutingOptions& routing, bool fused) {
+torch::Tensor local_routing(const torch::Tensor& u_hat, const RoutingOptions& routing) {
   if (!u_hat.defined() || u_hat.dim() != 6)
     throw std::invalid_argument("local_routing: u_hat must be [B, T_in, T_out, A_out, H, W] (6 dims), got " +
                                 (u_hat.defined() ? shape_string(u_hat.sizes()) : std::string("undefined")));
@@ -102,7 +105,7 @@ torch::Tensor local_routing(const torch::Tensor& u_hat, const RoutingOptions& ro
   // Every output position is an independent routing problem: positions go into the batch.
   auto per_position = u_hat.permute({0, 4, 5, 1, 2, 3}).reshape({B * H * W, T_in, T_out, A_out});
   torch::Tensor v;  // [B * H * W, T_out, A_out]
-  if (fused && u_hat.is_cpu() &&
+  if (routing.fused && u_hat.is_cpu() &&
       (u_hat.scalar_type() == torch::kFloat || u_hat.scalar_type() == torch::kDouble)) {
     v = ops::routing_from_predictions(per_position, routing.iterations, routing.grad_through_routing);
   } else {
@@ -184,17 +187,10 @@ detail::CapsuleConvGeometry CapsuleConv2dImpl::geometry() const {
   return {options.stride(), options.padding(), 0, false};
 }
 
-RoutingOptions CapsuleConv2dImpl::routing_options() const {
-  RoutingOptions r;
-  r.iterations = options.routing_iterations();
-  r.grad_through_routing = options.grad_through_routing();
-  return r;
-}
-
 void CapsuleConv2dImpl::reset() {
   const LayerShape s{options.in_types(), options.in_atoms(), options.out_types(), options.out_atoms(),
                      options.kernel_size()};
-  check_options("CapsuleConv2d", s, geometry(), options.routing_iterations());
+  check_options("CapsuleConv2d", s, geometry(), options.routing());
   weight = register_parameter("weight",
                               init_weight(options.share_across_types() ? 1 : s.in_types, s, options.weight_std()));
   bias = options.bias() ? register_parameter("bias", torch::zeros({s.out_types, s.out_atoms})) : torch::Tensor();
@@ -213,7 +209,7 @@ torch::Tensor CapsuleConv2dImpl::predictions(const torch::Tensor& u) {
 }
 
 torch::Tensor CapsuleConv2dImpl::forward(const torch::Tensor& u) {
-  return local_routing(predictions(u), routing_options(), options.fused());
+  return local_routing(predictions(u), options.routing());
 }
 
 // ---- CapsuleConvTranspose2d ----------------------------------------------------------------------
@@ -227,17 +223,10 @@ detail::CapsuleConvGeometry CapsuleConvTranspose2dImpl::geometry() const {
   return {options.stride(), options.padding(), options.output_padding(), true};
 }
 
-RoutingOptions CapsuleConvTranspose2dImpl::routing_options() const {
-  RoutingOptions r;
-  r.iterations = options.routing_iterations();
-  r.grad_through_routing = options.grad_through_routing();
-  return r;
-}
-
 void CapsuleConvTranspose2dImpl::reset() {
   const LayerShape s{options.in_types(), options.in_atoms(), options.out_types(), options.out_atoms(),
                      options.kernel_size()};
-  check_options("CapsuleConvTranspose2d", s, geometry(), options.routing_iterations());
+  check_options("CapsuleConvTranspose2d", s, geometry(), options.routing());
   weight = register_parameter("weight",
                               init_weight(options.share_across_types() ? 1 : s.in_types, s, options.weight_std()));
   bias = options.bias() ? register_parameter("bias", torch::zeros({s.out_types, s.out_atoms})) : torch::Tensor();
@@ -256,7 +245,7 @@ torch::Tensor CapsuleConvTranspose2dImpl::predictions(const torch::Tensor& u) {
 }
 
 torch::Tensor CapsuleConvTranspose2dImpl::forward(const torch::Tensor& u) {
-  return local_routing(predictions(u), routing_options(), options.fused());
+  return local_routing(predictions(u), options.routing());
 }
 
 }  // namespace capsnet::nn

@@ -34,15 +34,13 @@ struct CapsuleConv2dOptions {
   TORCH_ARG(int64_t, kernel_size) = 5;
   TORCH_ARG(int64_t, stride) = 1;
   TORCH_ARG(int64_t, padding) = 2;
-  TORCH_ARG(int64_t, routing_iterations) = 3;
-  TORCH_ARG(bool, grad_through_routing) = true;
+  /// Iterations, gradient through routing, fused operator (CPU) or dynamic_routing().
+  TORCH_ARG(RoutingOptions, routing) = {};
   /// false (default): one set of k x k transformation matrices per child type (weight [T_in, ...]);
   /// true: one set shared by all child types (weight [1, ...]), as the SegCaps authors' code does.
   TORCH_ARG(bool, share_across_types) = false;
   /// Learnt bias [T_out, A_out] added to every prediction (the SegCaps code has one).
   TORCH_ARG(bool, bias) = true;
-  /// true: routing by the fused operator on CPU tensors; false (or other devices): dynamic_routing().
-  TORCH_ARG(bool, fused) = true;
   /// Initial weight std; <= 0 means 1 / sqrt(A_in * k * k).
   TORCH_ARG(double, weight_std) = 0;
 };
@@ -60,11 +58,9 @@ struct CapsuleConvTranspose2dOptions {
   TORCH_ARG(int64_t, padding) = 1;
   /// Extra rows/columns on the bottom/right of the output (must be < stride), as in ConvTranspose2d.
   TORCH_ARG(int64_t, output_padding) = 0;
-  TORCH_ARG(int64_t, routing_iterations) = 3;
-  TORCH_ARG(bool, grad_through_routing) = true;
+  TORCH_ARG(RoutingOptions, routing) = {};
   TORCH_ARG(bool, share_across_types) = false;
   TORCH_ARG(bool, bias) = true;
-  TORCH_ARG(bool, fused) = true;
   TORCH_ARG(double, weight_std) = 0;
 };
 
@@ -108,7 +104,6 @@ class CapsuleConv2dImpl : public torch::nn::Cloneable<CapsuleConv2dImpl> {
   /// point and large enough for the kernel.
   void check_input(const torch::Tensor& u) const;
   detail::CapsuleConvGeometry geometry() const;
-  RoutingOptions routing_options() const;
 
   CapsuleConv2dOptions options;
   torch::Tensor weight, bias;
@@ -129,7 +124,6 @@ class CapsuleConvTranspose2dImpl : public torch::nn::Cloneable<CapsuleConvTransp
   /// Throws std::invalid_argument unless u is [B, T_in, A_in, H, W] floating point.
   void check_input(const torch::Tensor& u) const;
   detail::CapsuleConvGeometry geometry() const;
-  RoutingOptions routing_options() const;
 
   CapsuleConvTranspose2dOptions options;
   torch::Tensor weight, bias;
@@ -137,8 +131,8 @@ class CapsuleConvTranspose2dImpl : public torch::nn::Cloneable<CapsuleConvTransp
 TORCH_MODULE(CapsuleConvTranspose2d);
 
 /// Locally-constrained routing of predictions at every position.
-/// u_hat: [B, T_in, T_out, A_out, H, W] -> v: [B, T_out, A_out, H, W]. fused: capsnet::routing_from_predictions
-/// (CPU only; other devices fall back), else dynamic_routing.
-torch::Tensor local_routing(const torch::Tensor& u_hat, const RoutingOptions& routing, bool fused = true);
+/// u_hat: [B, T_in, T_out, A_out, H, W] -> v: [B, T_out, A_out, H, W]. routing.fused:
+/// capsnet::routing_from_predictions (CPU only; other devices fall back), else dynamic_routing.
+torch::Tensor local_routing(const torch::Tensor& u_hat, const RoutingOptions& routing);
 
 }  // namespace capsnet::nn

@@ -9,8 +9,7 @@ CapsuleLinearImpl::CapsuleLinearImpl(const CapsuleLinearOptions& options_) : opt
 void CapsuleLinearImpl::reset() {
   TORCH_CHECK(options.in_caps() > 0 && options.in_dim() > 0 && options.out_caps() > 0 && options.out_dim() > 0,
               "CapsuleLinear: capsule counts and dimensions must be positive");
-  TORCH_CHECK(options.routing_iterations() >= 1, "CapsuleLinear: routing_iterations must be >= 1, got ",
-              options.routing_iterations());
+  options.routing().validate();
   weight = register_parameter(
       "weight", torch::randn({options.in_caps(), options.out_caps(), options.out_dim(), options.in_dim()}) *
                     options.weight_std());
@@ -19,13 +18,6 @@ void CapsuleLinearImpl::reset() {
 void CapsuleLinearImpl::check_input(const torch::Tensor& u) const {
   TORCH_CHECK(u.dim() == 3 && u.size(1) == options.in_caps() && u.size(2) == options.in_dim(),
               "CapsuleLinear: input must be [B, ", options.in_caps(), ", ", options.in_dim(), "], got ", u.sizes());
-}
-
-RoutingOptions CapsuleLinearImpl::routing_options() const {
-  RoutingOptions r;
-  r.iterations = options.routing_iterations();
-  r.grad_through_routing = options.grad_through_routing();
-  return r;
 }
 
 torch::Tensor CapsuleLinearImpl::predictions(const torch::Tensor& u) {
@@ -38,11 +30,12 @@ torch::Tensor CapsuleLinearImpl::predictions(const torch::Tensor& u) {
 }
 
 torch::Tensor CapsuleLinearImpl::forward(const torch::Tensor& u) {
-  if (options.fused() && u.is_cpu() && weight.is_cpu()) {
+  const auto& routing = options.routing();
+  if (routing.fused && u.is_cpu() && weight.is_cpu()) {
     check_input(u);
-    return ops::capsule_routing(u, weight, options.routing_iterations(), options.grad_through_routing());
+    return ops::capsule_routing(u, weight, routing.iterations, routing.grad_through_routing);
   }
-  return dynamic_routing(predictions(u), routing_options());
+  return dynamic_routing(predictions(u), routing);
 }
 
 }  // namespace capsnet::nn

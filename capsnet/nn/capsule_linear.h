@@ -12,12 +12,10 @@ struct CapsuleLinearOptions {
   TORCH_ARG(int64_t, in_dim);    // 8
   TORCH_ARG(int64_t, out_caps);  // J = 10
   TORCH_ARG(int64_t, out_dim);   // D = 16
-  TORCH_ARG(int64_t, routing_iterations) = 3;
-  TORCH_ARG(bool, grad_through_routing) = true;
+  /// Iterations, gradient through routing, fused operator (capsnet::capsule_routing) or
+  /// predictions() + dynamic_routing().
+  TORCH_ARG(RoutingOptions, routing) = {};
   TORCH_ARG(double, weight_std) = 0.01;
-  /// true: the fused operator capsnet::capsule_routing (CPU tensors; never stores u_hat for the batch);
-  /// false, or tensors on other devices: predictions() + dynamic_routing(). Same math, tested equal.
-  TORCH_ARG(bool, fused) = true;
 };
 
 /// DigitCaps: a fully connected capsule layer with dynamic routing.
@@ -30,7 +28,6 @@ class CapsuleLinearImpl : public torch::nn::Cloneable<CapsuleLinearImpl> {
   /// Prediction vectors u_hat_{j|i} = W_ij u_i. u: [B, I, Din] -> u_hat: [B, I, J, D].
   torch::Tensor predictions(const torch::Tensor& u);
   torch::Tensor forward(const torch::Tensor& u);
-  RoutingOptions routing_options() const;
   /// Throws c10::Error unless u is [B, in_caps, in_dim].
   void check_input(const torch::Tensor& u) const;
 

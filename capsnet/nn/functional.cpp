@@ -59,9 +59,16 @@ void check_routing_args(const torch::Tensor& u_hat, const RoutingOptions& option
   TORCH_CHECK(u_hat.dim() == 4, "dynamic routing: u_hat must be [B, I, J, D], got ", u_hat.sizes());
   TORCH_CHECK(u_hat.is_floating_point(), "dynamic routing: u_hat must be floating point, got ",
               u_hat.scalar_type());
-  TORCH_CHECK(options.iterations >= 1, "dynamic routing: iterations must be >= 1, got ",
-              options.iterations);
+  options.validate();
 }
+}  // namespace detail
+
+void RoutingOptions::validate() const {
+  if (iterations < 1)
+    throw std::invalid_argument("routing iterations must be >= 1, got " + std::to_string(iterations));
+}
+
+namespace detail {
 
 torch::Tensor reference_routing(const torch::Tensor& u_hat, const RoutingOptions& options) {
   check_routing_args(u_hat, options);

@@ -44,12 +44,19 @@ torch::Tensor mask(const torch::Tensor& v, const torch::Tensor& index);
 torch::Tensor reconstruction_loss(const torch::Tensor& reconstruction, const torch::Tensor& target,
                                   double scale = 0.0005);
 
-/// Routing options.
+/// How capsules route by agreement: the one place these settings and their defaults live. Every
+/// capsule layer holds one (`TORCH_ARG(RoutingOptions, routing)`); model configs store its fields.
 struct RoutingOptions {
+  /// r, the routing iterations (the paper: 3).
   int64_t iterations = 3;
   /// true: gradients flow through the coupling coefficients c_ij (authors' code, default).
   /// false: c_ij are treated as constants (computed from detached predictions).
   bool grad_through_routing = true;
+  /// true: the fused operator on CPU tensors (never stores the predictions for the batch);
+  /// false, or tensors on other devices: the composite ATen path. Same math, tested equal.
+  bool fused = true;
+  /// Throws std::invalid_argument naming the field unless iterations >= 1.
+  void validate() const;
 };
 
 /// Dynamic routing by agreement (Procedure 1), per example, softmax over parents j.

@@ -32,4 +32,9 @@ at::Tensor capsule_routing(const at::Tensor& u, const at::Tensor& W, int64_t ite
 /// u_hat: [B, I, J, D] prediction vectors u_hat_{j|i}. Returns v: [B, J, D].
 at::Tensor routing_from_predictions(const at::Tensor& u_hat, int64_t iterations = 3, bool grad_through_routing = true);
 
+/// The CPU kernels exist once per instruction set (baseline, and AVX2+FMA where the CPU has both,
+/// chosen at run time). true forces the baseline copy in this process (tests and benchmarks compare
+/// the two); false (the default) restores the choice by CPU.
+void set_baseline_isa(bool on);
+
 }  // namespace capsnet::ops

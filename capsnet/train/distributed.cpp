@@ -68,10 +68,6 @@ DistributedEnv parse_distributed_env(const std::function<const char*(const char*
   return env;
 }
 
-DistributedEnv distributed_env_from_environment() {
-  return parse_distributed_env([](const char* name) { return std::getenv(name); });
-}
-
 #if CAPSNET_HAVE_GLOO
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
@@ -111,9 +107,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const DistributedEnv& env, co
 
     auto gloo_options = c10d::ProcessGroupGloo::Options::create(impl->timeout);
     // Loopback jobs bind to 127.0.0.1 (no name resolution); a multi-host job uses the interface in
-    // GLOO_SOCKET_IFNAME if set, else the address this host's name resolves to.
-    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"))
-      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    // options.interface() if given, else the address this host's name resolves to.
+    if (!options.interface().empty())
+      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(options.interface()));
     else if (env.master_addr == "127.0.0.1" || env.master_addr == "localhost")
       gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
     else
@@ -125,11 +121,13 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const DistributedEnv& env, co
                                        env.rank, env.master_addr, env.master_port, env.world_size,
                                        options.timeout_seconds(), first_line(e.what())));
   }
-  return std::shared_ptr<ProcessGroup>(new ProcessGroup(env.rank, env.world_size, std::move(impl)));
+  auto group = std::shared_ptr<ProcessGroup>(new ProcessGroup(env.rank, env.world_size, std::move(impl)));
+  group->before_step_ = options.before_step();
+  return group;
 #else
   throw std::invalid_argument(
-      "this capsnet was built without c10d Gloo headers (install libgloo-dev and rebuild) so WORLD_SIZE > 1 and "
-      "--nproc are unavailable");
+      "this capsnet was built without c10d Gloo headers (install libgloo-dev and rebuild) so multi-process "
+      "training is unavailable");
 #endif
 }
 
@@ -264,34 +262,6 @@ std::pair<int64_t, int64_t> rank_slice(int64_t batch, int rank, int world_size) 
     throw std::invalid_argument(fmt::format("rank_slice: rank {} is not in [0, world size {})", rank, world_size));
   if (batch < 0) throw std::invalid_argument(fmt::format("rank_slice: batch must be >= 0, got {}", batch));
   return {batch * rank / world_size, batch * (rank + 1) / world_size};
-}
-
-void maybe_inject_fault(int rank, int64_t step) {
-  const char* spec = std::getenv("CAPSNET_FAULT_EXIT_AT_STEP");
-  if (!spec) return;
-  const std::string s = spec;
-  const auto colon = s.find(':');
-  char* end = nullptr;
-  long fault_rank = -1;
-  long long fault_step = -1;
-  bool ok = colon != std::string::npos && colon > 0 && colon + 1 < s.size();
-  if (ok) {
-    fault_rank = std::strtol(s.substr(0, colon).c_str(), &end, 10);
-    ok = *end == '\0' && fault_rank >= 0;
-  }
-  if (ok) {
-    fault_step = std::strtoll(s.substr(colon + 1).c_str(), &end, 10);
-    ok = *end == '\0' && fault_step >= 0;
-  }
-  if (!ok)
-    throw std::invalid_argument(
-        fmt::format("environment variable CAPSNET_FAULT_EXIT_AT_STEP='{}' is not <rank>:<step> (test only)", s));
-  if (fault_rank == rank && fault_step == step) {
-    fmt::print(stderr, "rank {}: CAPSNET_FAULT_EXIT_AT_STEP: exiting with status 17 at step {} (injected fault)\n",
-               rank, step);
-    std::fflush(stderr);
-    std::_Exit(17);
-  }
 }
 
 }  // namespace capsnet::train

@@ -40,9 +40,6 @@ struct DistributedEnv {
 /// LOCAL_RANK to RANK. Throws std::invalid_argument naming the variable and its bad value.
 DistributedEnv parse_distributed_env(const std::function<const char*(const char*)>& lookup);
 
-/// parse_distributed_env over the process environment.
-DistributedEnv distributed_env_from_environment();
-
 /// Options of the process group.
 struct ProcessGroupOptions {
   /// "gloo" (CPU tensors). Another backend (e.g. NCCL for CUDA tensors) is added in one place,
@@ -50,6 +47,12 @@ struct ProcessGroupOptions {
   TORCH_ARG(std::string, backend) = "gloo";
   /// Seconds a rendezvous or a collective may wait for its peers before failing.
   TORCH_ARG(double, timeout_seconds) = 300;
+  /// Network interface Gloo binds to on a multi-host job ("" = the address this host's name
+  /// resolves to; loopback jobs use 127.0.0.1). The capsnet command passes GLOO_SOCKET_IFNAME.
+  TORCH_ARG(std::string, interface) = "";
+  /// Called by the training loop before every step with (rank, step); empty = nothing. The capsnet
+  /// command's test-only fault injector plugs in here.
+  TORCH_ARG(std::function<void(int, int64_t)>, before_step) = nullptr;
 };
 
 /// A connected group of `world_size` processes (c10d TCPStore rendezvous at MASTER_ADDR:MASTER_PORT,
@@ -63,6 +66,10 @@ class ProcessGroup {
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
+  /// Runs the before_step hook of the options (if any) for this rank.
+  void before_step(int64_t step) const {
+    if (before_step_) before_step_(rank_, step);
+  }
 
   /// In-place elementwise sum over all ranks of each tensor (contiguous CPU tensors, same shapes
   /// and dtypes on every rank). Throws DistributedError when a peer fails.
@@ -76,6 +83,7 @@ class ProcessGroup {
   ProcessGroup(int rank, int world_size, std::unique_ptr<Impl> impl);
   int rank_, world_size_;
   std::unique_ptr<Impl> impl_;
+  std::function<void(int, int64_t)> before_step_;
 };
 
 /// Options of GradientReducer.
@@ -116,10 +124,5 @@ void broadcast_parameters(ProcessGroup& group, const std::vector<torch::Tensor>&
 /// The rows [begin, end) of a global batch of `batch` examples that `rank` of `world_size` takes:
 /// contiguous, in rank order, sizes differing by at most one.
 std::pair<int64_t, int64_t> rank_slice(int64_t batch, int rank, int world_size);
-
-/// TEST-ONLY fault injection. If CAPSNET_FAULT_EXIT_AT_STEP is "<rank>:<step>" and matches, the
-/// process exits at once with status 17 (std::_Exit: no cleanup, like a crash). Unset: no effect.
-/// A malformed value throws std::invalid_argument naming the variable.
-void maybe_inject_fault(int rank, int64_t step);
 
 }  // namespace capsnet::train

@@ -138,14 +138,14 @@ int64_t save_weights(const std::string& path, models::CapsNet& model, int64_t st
 
 ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::string& out_path,
                                 const ExportOptions& options) {
-  if (out_path.empty()) throw std::invalid_argument("export: --out must not be empty");
+  if (out_path.empty()) throw std::invalid_argument("export: the output path must not be empty");
   if (std::filesystem::is_directory(out_path))
-    throw std::invalid_argument(fmt::format("export: --out {} is a directory; give a file name", out_path));
+    throw std::invalid_argument(fmt::format("export: the output path {} is a directory; give a file name", out_path));
   std::error_code ec;
   if (std::filesystem::exists(out_path) && std::filesystem::equivalent(out_path, checkpoint_path, ec))
-    throw std::invalid_argument(fmt::format("export: --out {} is the checkpoint itself", out_path));
+    throw std::invalid_argument(fmt::format("export: the output path {} is the checkpoint itself", out_path));
   if (options.probe < 0)
-    throw std::invalid_argument(fmt::format("export: --probe must be >= 0, got {}", options.probe));
+    throw std::invalid_argument(fmt::format("export: probe must be >= 0, got {}", options.probe));
 
   // A weight file (e.g. the shipped model) re-exports too: to another storage type, or with a probe.
   const auto weights_in = try_read_weights(checkpoint_path);  // read once, used for the step and the model

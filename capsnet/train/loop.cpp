@@ -260,7 +260,7 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
     } else {
       ids = torch::arange(step * options.batch_size, (step + 1) * options.batch_size, torch::kLong);
     }
-    if (group) maybe_inject_fault(rank, step);
+    if (group) group->before_step(step);
     const auto t0 = Clock::now();
     task.begin_step(step, total_steps);
     auto gen = seeded_stream(options.seed, 2, static_cast<uint64_t>(step));

@@ -168,12 +168,12 @@ TEST(RoutingFromPredictions, MatchesReferenceFloat64) { expect_predictions_match
 TEST(RoutingFromPredictions, MatchesReferenceFloat32) { expect_predictions_match_reference(torch::kFloat); }
 
 // The CPU kernels exist once per instruction set (baseline, and AVX2+FMA where the CPU has it, chosen at
-// run time); CAPSNET_OPS_CPU_ISA=baseline forces the baseline copy. On an AVX2 machine the tests above
+// run time); ops::set_baseline_isa(true) forces the baseline copy. On an AVX2 machine the tests above
 // ran the AVX2 copy; this one runs the baseline copy against the same oracle.
 TEST(FusedRouting, BaselineInstructionSetMatchesReference) {
-  struct ScopedEnv {
-    ScopedEnv() { setenv("CAPSNET_OPS_CPU_ISA", "baseline", 1); }
-    ~ScopedEnv() { unsetenv("CAPSNET_OPS_CPU_ISA"); }
+  struct ScopedBaseline {
+    ScopedBaseline() { capsnet::ops::set_baseline_isa(true); }
+    ~ScopedBaseline() { capsnet::ops::set_baseline_isa(false); }
   } baseline;
   expect_fused_matches_reference(torch::kDouble);
   expect_fused_matches_reference(torch::kFloat);

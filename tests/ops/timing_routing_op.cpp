@@ -25,7 +25,7 @@
 #include "capsnet/nn/capsule_linear.h"
 #include "capsnet/nn/functional.h"
 #include "capsnet/ops/routing.h"
-#include "capsnet/train/runtime.h"
+#include "apps/runtime.h"
 
 namespace {
 
@@ -54,7 +54,7 @@ struct Problem {
 
   Problem(int64_t B_, int64_t I_, int64_t J_, int64_t D_, int64_t Din_, int64_t r_, bool with_u_hat)
       : B(B_), I(I_), J(J_), D(D_), Din(Din_), r(r_) {
-    layer = capsnet::nn::CapsuleLinear(capsnet::nn::CapsuleLinearOptions(I, Din, J, D).routing_iterations(r));
+    layer = capsnet::nn::CapsuleLinear(capsnet::nn::CapsuleLinearOptions(I, Din, J, D).routing({r}));
     u = capsnet::squash(torch::randn({B, I, Din})).set_requires_grad(true);
     // Random predictions of the right scale, allocated once (no [B, I, J, D] temporary in the setup).
     if (with_u_hat) u_hat = torch::randn({B, I, J, D}).mul_(0.03).set_requires_grad(true);
@@ -82,7 +82,11 @@ struct Problem {
 }  // namespace
 
 int main(int argc, char** argv) {
-  capsnet::configure_runtime(argc, argv);
+  capsnet::apps::configure_runtime(argc, argv);
+  // The timing program (not the library) reads the environment: CAPSNET_OPS_CPU_ISA=baseline times the
+  // baseline kernels.
+  if (const char* isa = std::getenv("CAPSNET_OPS_CPU_ISA"); isa && std::string(isa) == "baseline")
+    capsnet::ops::set_baseline_isa(true);
   int threads = 2, reps = 7;
   int64_t B = 100, I = 1152, J = 10, D = 16, Din = 8, r = 3;
   std::string only;
@@ -112,7 +116,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  capsnet::set_threads(threads);
+  capsnet::apps::set_threads(threads);
   torch::manual_seed(0);
   const std::vector<std::string> names = only.empty()
                                              ? std::vector<std::string>{"fused", "aten", "fused_pred", "aten_pred"}

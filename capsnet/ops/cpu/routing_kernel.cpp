@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -29,6 +30,8 @@
 
 namespace capsnet::ops::cpu {
 namespace {
+
+std::atomic<bool> force_baseline{false};  // ops::set_baseline_isa
 
 // Examples routed together per pass over i: the Din x J*D block of W_i is loaded once for all of them.
 constexpr int64_t kExampleBlock = 8;
@@ -308,7 +311,7 @@ CAPSNET_INLINE void prediction_grad_range(const StoredPredictor<T>& predict, con
 // target's default ISA (SSE2 on x86-64); on x86 with GCC/Clang a second copy is compiled for AVX2+FMA
 // via the target attribute and used when the CPU has both (the kernel bodies are always_inline, so they
 // are generated inside each wrapper; nothing outside them is compiled for AVX2, no ODR hazard).
-// CAPSNET_OPS_CPU_ISA=baseline in the environment forces the baseline copy (tests compare the two).
+// ops::set_baseline_isa(true) forces the baseline copy (tests and benchmarks compare the two).
 #define CAPSNET_DEFINE_ISA_WRAPPERS(SUFFIX, VB, ATTRIBUTE)                                                            \
   template <typename T, typename Predict>                                                                             \
   ATTRIBUTE void forward_range_##SUFFIX(const Predict& predict, const Dims& n, int64_t b_begin, int64_t b_end,        \
@@ -344,8 +347,7 @@ CAPSNET_DEFINE_ISA_WRAPPERS(avx2, 32, __attribute__((target("avx2,fma"))))
 bool use_avx2() {
 #if CAPSNET_HAVE_AVX2_COPY
   static const bool cpu_has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const char* isa = std::getenv("CAPSNET_OPS_CPU_ISA");  // read per call: the tests switch it
-  return cpu_has && !(isa && std::strcmp(isa, "baseline") == 0);
+  return cpu_has && !force_baseline.load(std::memory_order_relaxed);  // read per call: tests switch it
 #else
   return false;
 #endif
@@ -483,6 +485,10 @@ at::Tensor routing_from_predictions_cpu(const at::Tensor& u_hat, int64_t iterati
 
 }  // namespace
 }  // namespace capsnet::ops::cpu
+
+namespace capsnet::ops {
+void set_baseline_isa(bool on) { cpu::force_baseline.store(on, std::memory_order_relaxed); }
+}  // namespace capsnet::ops
 
 TORCH_LIBRARY_IMPL(capsnet, CPU, m) {
   using namespace capsnet::ops::cpu;

@@ -1,0 +1,100 @@
+#include "apps/benchmark.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <vector>
+
+namespace capsnet::apps {
+namespace {
+
+double status_field_mb(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1)) / 1024.0;  // kB
+  return std::numeric_limits<double>::quiet_NaN();
+}
+
+template <class F>
+double seconds(F&& f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+double median(std::vector<double> v) {
+  TORCH_CHECK(!v.empty(), "median of no values");
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double rss_mb() { return status_field_mb("VmRSS"); }
+double peak_rss_mb() { return status_field_mb("VmHWM"); }
+void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
+nlohmann::json BenchResult::to_json() const {
+  return {{"train_img_s", train_img_s},
+          {"infer_img_s", infer_img_s},
+          {"latency_b1_ms", latency_b1_ms},
+          {"train_peak_rss_mb", train_peak_rss_mb},
+          {"train_rss_growth_mb", train_rss_growth_mb}};
+}
+
+BenchResult run_benchmark(const BenchOptions& o) {
+  TORCH_CHECK(o.batch_size > 0 && o.steps > 0 && o.infer_batches > 0 && o.latency_runs > 0 && o.warmup_steps >= 0,
+              "benchmark: batch size, steps, inference batches and latency runs must be positive");
+  torch::manual_seed(o.seed);
+  models::CapsNet model(o.model);
+  model->set_fused_routing(o.fused_routing);
+  model->set_precision(o.precision);
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
+  const auto& c = o.model;
+  // images: [B, C, H, W] in [0, 1); labels: [B]
+  auto images = torch::rand({o.batch_size, c.image_channels, c.image_size, c.image_size});
+  auto labels = torch::randint(c.num_classes, {o.batch_size}, torch::kLong);
+
+  auto train_step = [&] {
+    optimizer.zero_grad();
+    auto out = model->forward(images, labels);
+    auto loss = model->loss(out, images, labels);
+    loss.total.backward();
+    optimizer.step();
+    return loss.total.item<double>();  // syncs, as a real training loop does
+  };
+
+  BenchResult r;
+  const double rss_before = rss_mb();
+  reset_peak_rss();
+  model->train();
+  for (int64_t i = 0; i < o.warmup_steps; ++i) train_step();
+  std::vector<double> step_s;
+  for (int64_t i = 0; i < o.steps; ++i) step_s.push_back(seconds(train_step));
+  r.train_peak_rss_mb = peak_rss_mb();
+  r.train_rss_growth_mb = r.train_peak_rss_mb - rss_before;
+  r.train_img_s = o.batch_size / median(step_s);
+
+  model->eval();
+  torch::NoGradGuard no_grad;
+  auto predict = [&](const torch::Tensor& x) { return model->forward(x).lengths.argmax(1); };
+  predict(images);  // warm-up
+  std::vector<double> infer_s;
+  for (int64_t i = 0; i < o.infer_batches; ++i) infer_s.push_back(seconds([&] { predict(images); }));
+  r.infer_img_s = o.batch_size / median(infer_s);
+
+  auto one = images.slice(0, 0, 1).clone();
+  for (int i = 0; i < 3; ++i) predict(one);
+  std::vector<double> lat_s;
+  for (int64_t i = 0; i < o.latency_runs; ++i) lat_s.push_back(seconds([&] { predict(one); }));
+  r.latency_b1_ms = 1000 * median(lat_s);
+  return r;
+}
+
+}  // namespace capsnet::apps

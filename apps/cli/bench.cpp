@@ -1,0 +1,219 @@
+// capsnet bench: our CapsNet with the fused routing op, with composite (reference-style) routing, and the
+// plain-PyTorch peer (bench/peer_capsnet.py), run side by side in one invocation, interleaved, each
+// measurement in a fresh process so peak memory is its own. Prints medians and ratios; JSON lines.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+
+#include "apps/benchmark.h"
+#include "apps/runtime.h"
+#include "apps/cli/commands.h"
+
+#ifndef CAPSNET_SOURCE_DIR
+#define CAPSNET_SOURCE_DIR "."
+#endif
+
+namespace capsnet::apps::cli {
+namespace {
+
+using apps::median;
+
+struct Flags {
+  // fused-bf16 joins where the CPU computes bf16 natively (docs/kernels.md).
+  std::vector<std::string> configs = nn::cpu_has_native_bf16()
+                                         ? std::vector<std::string>{"fused", "fused-bf16", "reference", "peer"}
+                                         : std::vector<std::string>{"fused", "reference", "peer"};
+  int repeats = 3;
+  int64_t batch_size = 100, steps = 10, infer_batches = 5, latency_runs = 30, routing_iters = 3;
+  std::string python = "/usr/bin/python3";
+  std::string peer_script = std::string(CAPSNET_SOURCE_DIR) + "/bench/peer_capsnet.py";
+  std::string jsonl;
+  std::string worker;  // internal: run one configuration in this process and print one JSON line
+  int threads = 0;
+};
+
+const std::map<std::string, std::string> kDescriptions = {
+    {"fused", "capsnet, fused routing op"},
+    {"fused-bf16", "capsnet, fused routing op, bf16 convs + decoder"},
+    {"reference", "capsnet, composite routing (u_hat materialised)"},
+    {"peer", "plain PyTorch peer (Python, eager)"}};
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char ch : s) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return q + "'";
+}
+
+std::string self_exe() {
+  std::array<char, 4096> buf{};
+  const ssize_t n = readlink("/proc/self/exe", buf.data(), buf.size() - 1);
+  if (n <= 0) throw std::runtime_error("bench: cannot find this executable (/proc/self/exe)");
+  return std::string(buf.data(), n);
+}
+
+// Runs a command, passing its stderr through, and returns the last JSON line it printed on stdout.
+nlohmann::json run_worker(const std::string& command) {
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(command.c_str(), "r"), pclose);
+  if (!pipe) throw std::runtime_error("bench: cannot start: " + command);
+  std::string out;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe.get())) > 0) out.append(buf.data(), n);
+  const int status = pclose(pipe.release());
+  std::istringstream lines(out);
+  std::string line, last_json;
+  while (std::getline(lines, line))
+    if (!line.empty() && line.front() == '{') last_json = line;
+  if (status != 0 || last_json.empty())
+    throw std::runtime_error(fmt::format("bench: worker failed (exit status {}): {}", status, command));
+  return nlohmann::json::parse(last_json);
+}
+
+std::string worker_command(const Flags& f, const std::string& config) {
+  const std::string sizes = fmt::format(" --batch-size {} --steps {} --infer-batches {} --latency-runs {}",
+                                        f.batch_size, f.steps, f.infer_batches, f.latency_runs);
+  const std::string threads = fmt::format(" --threads {}", at::get_num_threads());
+  if (config == "peer")
+    return shell_quote(f.python) + " " + shell_quote(f.peer_script) + sizes + threads +
+           fmt::format(" --routing-iters {}", f.routing_iters);
+  return shell_quote(self_exe()) + " bench --worker " + config + sizes + threads +
+         fmt::format(" --routing-iters {}", f.routing_iters);
+}
+
+int run_one(const Flags& f) {
+  apps::BenchOptions o;
+  o.fused_routing = f.worker == "fused" || f.worker == "fused-bf16";
+  if (f.worker == "fused-bf16") o.precision = nn::parse_precision("bf16");
+  o.model.routing_iterations = f.routing_iters;
+  o.batch_size = f.batch_size;
+  o.steps = f.steps;
+  o.infer_batches = f.infer_batches;
+  o.latency_runs = f.latency_runs;
+  auto j = apps::run_benchmark(o).to_json();
+  j["config"] = f.worker;
+  j["impl"] = kDescriptions.at(f.worker);
+  j["batch_size"] = f.batch_size;
+  j["threads"] = at::get_num_threads();
+  j["routing_iters"] = f.routing_iters;
+  j["steps"] = f.steps;
+  std::cout << j.dump() << std::endl;
+  return 0;
+}
+
+const std::array<const char*, 5> kMetrics = {"train_img_s", "infer_img_s", "latency_b1_ms", "train_peak_rss_mb",
+                                            "train_rss_growth_mb"};
+
+int run_all(const Flags& f) {
+  std::unique_ptr<std::ofstream> jsonl;
+  if (!f.jsonl.empty()) {
+    jsonl = std::make_unique<std::ofstream>(f.jsonl, std::ios::app);
+    if (!*jsonl) throw std::runtime_error("bench: cannot open " + f.jsonl + " for writing");
+  }
+  if (std::find(f.configs.begin(), f.configs.end(), "peer") != f.configs.end() && access(f.python.c_str(), X_OK) != 0)
+    throw std::runtime_error(fmt::format("bench: the peer needs Debian's python3 with python3-torch at {} "
+                                         "(--python), or leave it out with --configs fused,reference",
+                                         f.python));
+  std::map<std::string, std::map<std::string, std::vector<double>>> samples;  // config -> metric -> values
+  std::cerr << fmt::format("bench: batch {}, {} timed steps, {} threads, {} repeat(s) of [{}]\n", f.batch_size,
+                           f.steps, at::get_num_threads(), f.repeats, fmt::join(f.configs, ", "));
+  for (int rep = 1; rep <= f.repeats; ++rep)
+    for (const auto& config : f.configs) {
+      std::cerr << fmt::format("bench: repeat {}/{} {:<9} ", rep, f.repeats, config) << std::flush;
+      auto j = run_worker(worker_command(f, config));
+      j["repeat"] = rep;
+      for (const char* m : kMetrics) samples[config][m].push_back(j.at(m).get<double>());
+      std::cerr << fmt::format("train {:6.1f} img/s  infer {:6.1f} img/s  batch-1 {:6.2f} ms  train peak RSS {:6.0f} MB\n",
+                               j.at("train_img_s").get<double>(), j.at("infer_img_s").get<double>(),
+                               j.at("latency_b1_ms").get<double>(), j.at("train_peak_rss_mb").get<double>());
+      if (jsonl) *jsonl << j.dump() << '\n';
+    }
+
+  nlohmann::json summary = {{"summary", true}, {"repeats", f.repeats}, {"batch_size", f.batch_size},
+                            {"threads", at::get_num_threads()}};
+  std::cout << fmt::format("\nmedians of {} run(s), batch {}, {} threads:\n", f.repeats, f.batch_size,
+                           at::get_num_threads());
+  std::cout << fmt::format("{:<50} {:>11} {:>11} {:>11} {:>13} {:>13}\n", "configuration", "train img/s",
+                           "infer img/s", "batch-1 ms", "train peak MB", "train grow MB");
+  for (const auto& config : f.configs) {
+    auto& s = samples[config];
+    for (const char* m : kMetrics) summary["median"][config][m] = median(s[m]);
+    std::cout << fmt::format("{:<50} {:>11.1f} {:>11.1f} {:>11.2f} {:>13.0f} {:>13.0f}\n", kDescriptions.at(config),
+                             median(s["train_img_s"]), median(s["infer_img_s"]), median(s["latency_b1_ms"]),
+                             median(s["train_peak_rss_mb"]), median(s["train_rss_growth_mb"]));
+  }
+  auto ratios = [&](const std::string& a, const std::string& b) {
+    if (!samples.count(a) || !samples.count(b)) return;
+    auto m = [&](const std::string& c, const char* k) { return median(samples[c][k]); };
+    nlohmann::json r = {{"train_speedup", m(a, "train_img_s") / m(b, "train_img_s")},
+                        {"infer_speedup", m(a, "infer_img_s") / m(b, "infer_img_s")},
+                        {"latency_b1_speedup", m(b, "latency_b1_ms") / m(a, "latency_b1_ms")},
+                        {"train_peak_rss_ratio", m(a, "train_peak_rss_mb") / m(b, "train_peak_rss_mb")},
+                        {"train_rss_growth_ratio", m(a, "train_rss_growth_mb") / m(b, "train_rss_growth_mb")}};
+    summary["ratios"][a + "/" + b] = r;
+    std::cout << fmt::format(
+        "{} vs {}: training {:.2f}x, inference {:.2f}x, batch-1 latency {:.2f}x faster; training peak memory "
+        "{:.2f} of it ({:.2f} of its growth)\n",
+        a, b, r["train_speedup"].get<double>(), r["infer_speedup"].get<double>(),
+        r["latency_b1_speedup"].get<double>(), r["train_peak_rss_ratio"].get<double>(),
+        r["train_rss_growth_ratio"].get<double>());
+  };
+  std::cout << '\n';
+  ratios("fused-bf16", "fused");
+  ratios("fused-bf16", "peer");
+  ratios("fused", "peer");
+  ratios("fused", "reference");
+  ratios("reference", "peer");
+  if (jsonl) *jsonl << summary.dump() << '\n';
+  return 0;
+}
+
+}  // namespace
+
+Subcommand add_bench(CLI::App& root) {
+  auto f = std::make_shared<Flags>();
+  auto* app = root.add_subcommand(
+      "bench", "Training/inference speed, batch-1 latency and peak memory: fused op vs composite routing vs the "
+               "plain-PyTorch peer, side by side (synthetic data; each run in its own process)");
+  app->add_option("--configs", f->configs, "Which to run, comma-separated: fused, reference, peer")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"fused", "fused-bf16", "reference", "peer"}))
+      ->capture_default_str();
+  app->add_option("--repeats", f->repeats, "Interleaved repeats; medians are reported")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--batch-size", f->batch_size, "Batch size")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--steps", f->steps, "Timed training steps per run (after 2 warm-up steps)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--infer-batches", f->infer_batches, "Timed inference batches per run")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--latency-runs", f->latency_runs, "Timed batch-1 forward passes per run")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--routing-iters", f->routing_iters, "Routing iterations r")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--python", f->python, "Python with PyTorch for the peer")->capture_default_str();
+  app->add_option("--peer-script", f->peer_script, "The peer's script")->capture_default_str();
+  app->add_option("--jsonl", f->jsonl, "Append every run and the summary as JSON lines to this file");
+  app->add_option("--worker", f->worker, "(internal) run one configuration and print one JSON line")
+      ->check(CLI::IsMember({"fused", "fused-bf16", "reference"}))
+      ->group("");
+  add_threads_flag(*app, f->threads);
+  return {app, [f]() {
+            if (f->threads > 0) set_threads(f->threads);
+            return f->worker.empty() ? run_all(*f) : run_one(*f);
+          }};
+}
+
+}  // namespace capsnet::apps::cli

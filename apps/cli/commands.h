@@ -1,0 +1,78 @@
+#pragma once
+// Each subcommand registers its flags on the root app and returns how to run it once parsed.
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace capsnet::apps::cli {
+
+struct Subcommand {
+  CLI::App* app = nullptr;
+  std::function<int()> run;  // exit status
+};
+
+Subcommand add_train(CLI::App& root);
+Subcommand add_eval(CLI::App& root);
+Subcommand add_predict(CLI::App& root);
+Subcommand add_reconstruct(CLI::App& root);
+Subcommand add_perturb(CLI::App& root);
+Subcommand add_bench(CLI::App& root);
+Subcommand add_ablation(CLI::App& root);
+Subcommand add_report(CLI::App& root);
+Subcommand add_multimnist(CLI::App& root);
+Subcommand add_affine(CLI::App& root);
+Subcommand add_export(CLI::App& root);
+Subcommand add_serve(CLI::App& root);
+Subcommand add_segcaps(CLI::App& root);
+Subcommand add_stn(CLI::App& root);
+Subcommand add_em(CLI::App& root);
+
+/// Flags shared by the subcommands that compute: --threads.
+void add_threads_flag(CLI::App& app, int& threads);
+
+/// --precision fp32|bf16|auto (compute type of the convolutions and the decoder; docs/kernels.md).
+void add_precision_flag(CLI::App& app, std::string& precision);
+
+/// Attaches the documented range of every numeric flag (cli/limits.cpp) to the commands of `app`;
+/// std::logic_error when a numeric flag has none (a developer's omission, caught by any test run).
+void apply_numeric_limits(CLI::App& app);
+/// The ranges as a Markdown table (docs/reliability.md).
+std::string numeric_limits_markdown();
+
+/// --overwrite: lets a command replace the previous run in its --out folder.
+void add_overwrite_flag(CLI::App& app, bool& overwrite);
+/// Refuses an --out folder that holds a previous run (a non-empty checkpoint.pt or metrics.jsonl)
+/// unless the command resumes it or --overwrite was given; the message names both ways out.
+void check_run_dir(const std::string& out_dir, bool resuming, bool overwrite, bool can_resume);
+/// Refuses an output path that is one of the command's input files (e.g. --out = --checkpoint).
+void check_not_an_input(const std::string& out, const std::vector<std::string>& inputs);
+
+/// Writes `text` to `path` (replacing it); throws std::runtime_error naming the path when it cannot
+/// be opened or written, so that no command reports a result file it failed to write.
+void write_text_file(const std::string& path, const std::string& text);
+
+/// The trained MNIST model shipped in the repository, relative to the checkout (model card beside it).
+inline constexpr const char* kShippedModel = "models/capsnet-mnist/capsnet-mnist.pt";
+/// Absolute path of the shipped model (next to the executable's checkout, else the source tree it was
+/// built from); std::invalid_argument when it is not there.
+std::string shipped_model_path();
+/// `checkpoint` if given; else the shipped model, saying so on stderr (one line with its model card).
+std::string checkpoint_or_shipped(const std::string& checkpoint);
+
+/// Which image set a command reads: --dataset mnist|fashion-mnist picks the default directory,
+/// --data DIR overrides it. Both sets are the same four IDX files (plain or .gz).
+struct DataFlags {
+  std::string dataset = "mnist";
+  std::string dir;  // empty: the dataset's default directory
+  /// The directory to read: --data if given, else the dataset's default (data/mnist or
+  /// /usr/share/datasets/fashion-mnist).
+  std::string resolved() const;
+};
+
+/// Registers --dataset and --data on `app`, writing into `flags`.
+void add_data_flags(CLI::App& app, DataFlags& flags);
+
+}  // namespace capsnet::apps::cli

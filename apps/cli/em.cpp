@@ -1,0 +1,137 @@
+// capsnet em: train and evaluate matrix capsules with EM routing (Hinton, Sabour & Frosst 2018).
+#include "capsnet/train/em.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "capsnet/data/mnist.h"
+#include "capsnet/train/distributed.h"
+#include "apps/runtime.h"
+#include "apps/cli/commands.h"
+#include "apps/cli/loop_flags.h"
+
+namespace capsnet::apps::cli {
+
+Subcommand add_em(CLI::App& root) {
+  struct Flags {
+    train::EmTrainOptions o;
+    DataFlags data;
+    LoopFlags loop;
+  };
+  auto f = std::make_shared<Flags>();
+  auto* app = root.add_subcommand(
+      "em",
+      "Matrix capsules with EM routing (4x4 poses, spread loss): train and evaluate on MNIST or Fashion-MNIST "
+      "(writes em.json, metrics.jsonl, checkpoint.pt in --out)");
+  add_data_flags(*app, f->data);
+  auto& o = f->o;
+  auto& m = o.model;
+  app->add_option("--out", o.out_dir, "Output directory")->capture_default_str();
+  app->add_option("--steps", o.steps, "Optimizer steps")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--batch-size", o.batch_size, "Training batch size")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--lr", o.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--weight-decay", o.weight_decay, "Adam weight decay (L2)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_option("--margin-start", o.margin_start, "Spread-loss margin at the first step (paper: 0.2)")
+      ->check(CLI::Range(0.0, 10.0))
+      ->capture_default_str();
+  app->add_option("--margin-end", o.margin_end, "Spread-loss margin at the last step (paper: 0.9)")
+      ->check(CLI::Range(0.0, 10.0))
+      ->capture_default_str();
+  app->add_option("--train-size", o.train_size, "First training examples used (0 = all)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_option("--test-size", o.test_size, "First test examples evaluated (0 = none)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_option("--seed", o.seed, "Seed of the initialisation and the example order")->capture_default_str();
+  app->add_option("--log-every", o.log_every, "Steps between metrics records")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--routing-iters", m.routing_iterations, "EM routing iterations (paper: 3)")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
+  app->add_option("--lambda-first", m.lambda_first, "Inverse temperature of the first routing iteration")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--lambda-last", m.lambda_last, "Inverse temperature of the last routing iteration")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--conv1-channels", m.conv1_channels, "A: ReLU Conv1 channels (paper: 64)")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  app->add_option("--primary-types", m.primary_types, "B: primary capsule types (paper: 32)")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app->add_option("--caps1-types", m.conv1_caps_types, "C: ConvCaps1 types (paper: 32)")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app->add_option("--caps2-types", m.conv2_caps_types, "D: ConvCaps2 types (paper: 32)")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app->add_flag("!--paper-cost", m.normalize_cost,
+                "Use the paper's cost (beta_u + log sigma) * sum_i R_ij; by default sum_i R_ij is scaled by J/I");
+  app->add_flag("!--no-coordinate-addition", m.coordinate_addition, "No coordinate addition in the class capsules");
+  app->add_option("--checkpoint-every", o.checkpoint_every, "Steps between checkpoints (0 = at the end)")
+      ->capture_default_str();
+  add_loop_flags(*app, f->loop);
+
+  return {app, [f]() {
+            auto& o = f->o;
+            o.progress = !f->loop.no_progress;
+            o.resume = f->loop.resume;
+            o.validate();  // before loading the data
+            return run_training_command(f->loop, o.out_dir, o.batch_size, [f](auto group) {
+              using Clock = std::chrono::steady_clock;
+              const auto t_start = Clock::now();
+              auto& o = f->o;
+              const std::string dir = f->data.resolved();
+              auto train_set = data::load_mnist(dir, data::Split::kTrain);
+              auto test_set = data::load_mnist(dir, data::Split::kTest);
+              std::cout << fmt::format("{}: {} training, {} test images from {}\n", f->data.dataset, train_set.size(),
+                                       test_set.size(), dir);
+              auto r = train::train_em(o, train_set, &test_set, std::cout, group);
+              if (group && group->rank() != 0) return 0;  // rank 0 reports
+
+              nlohmann::json summary = {{"task", "em"},
+                                        {"dataset", f->data.dataset},
+                                        {"data_dir", dir},
+                                        {"model", o.model.to_json()},
+                                        {"train", o.to_json()},
+                                        {"steps", r.steps},
+                                        {"images_seen", r.images_seen},
+                                        {"train_seconds", r.seconds},
+                                        {"train_images_per_second", r.images_per_second},
+                                        {"final_train_loss", r.losses.empty() ? 0.0 : r.losses.back()},
+                                        {"final_train_accuracy", r.final_train_accuracy},
+                                        {"model_path", r.model_path},
+                                        {"threads", at::get_num_threads()}};
+              if (r.test.examples > 0) {
+                summary["test_examples"] = r.test.examples;
+                summary["test_accuracy"] = r.test.accuracy;
+                summary["test_error"] = 1 - r.test.accuracy;
+                summary["test_spread_loss"] = r.test.loss;
+                summary["eval_seconds"] = r.test.seconds;
+                std::cout << fmt::format("{} test: accuracy {:.2f}% (error {:.2f}%) on {} images, spread loss {:.4f}\n",
+                                         f->data.dataset, 100 * r.test.accuracy, 100 * (1 - r.test.accuracy),
+                                         r.test.examples, r.test.loss);
+              }
+              summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
+              const std::string json_path = o.out_dir + "/em.json";
+              write_text_file(json_path, summary.dump(2) + "\n");
+              std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
+              return 0;
+            });
+          }};
+}
+
+}  // namespace capsnet::apps::cli

@@ -1,0 +1,207 @@
+// capsnet multimnist: train and evaluate a CapsNet on generated MultiMNIST pairs (paper Sec. 6).
+#include "capsnet/data/multimnist.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "capsnet/data/mnist.h"
+#include "capsnet/train/checkpoint.h"
+#include "capsnet/train/distributed.h"
+#include "capsnet/train/multimnist.h"
+#include "apps/runtime.h"
+#include "capsnet/viz/png.h"
+#include "apps/cli/commands.h"
+#include "apps/cli/loop_flags.h"
+
+namespace capsnet::apps::cli {
+namespace {
+
+constexpr const char* kOverlapDefinition =
+    "bounding boxes of the non-zero pixels of each shifted digit; iou = |A∩B|/|A∪B|, "
+    "over_smaller = |A∩B|/min(|A|,|B|); mean over the evaluated test pairs";
+
+struct Flags {
+  train::MultiMnistTrainOptions o;
+  DataFlags data;
+  std::string checkpoint;
+  uint64_t test_seed = 1001;
+  bool eval_only = false;
+  int64_t figure_correct = 9, figure_wrong = 3, figure_columns = 3;
+  LoopFlags loop;
+};
+
+// Trains (or with --eval-only loads) the model, evaluates it, and writes the figure and the summary.
+int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
+  using Clock = std::chrono::steady_clock;
+  const auto t_start = Clock::now();
+  auto* f = &flags;
+  auto& o = f->o;
+  const data::MultiMnistOptions gen_options;  // the paper's: 28x28 padded to 36x36, shifts up to 4 px
+  models::CapsNet model{nullptr};
+  std::optional<train::MultiMnistTrainResult> trained;
+  nlohmann::json summary = {{"task", "multimnist"}, {"test_seed", f->test_seed}};
+  std::optional<train::MultiMnistEval> eval;
+  if (f->eval_only) {
+    const std::string path = f->checkpoint.empty() ? train::checkpoint_path(o.out_dir) : f->checkpoint;
+    auto meta = train::read_checkpoint_meta(path);
+    model = train::load_model(path);
+    const int64_t canvas = 28 + 2 * gen_options.pad;
+    if (model->config.image_size != canvas || model->config.image_channels != 1)
+      throw std::invalid_argument(fmt::format(
+          "{}: the model takes {}x{}x{} images, MultiMNIST pairs are 1x{}x{} (train one with capsnet "
+          "multimnist)",
+          path, model->config.image_channels, model->config.image_size, model->config.image_size, canvas, canvas));
+    const int64_t batch = meta.train_options.value("batch_size", int64_t{0});
+    summary["mode"] = "eval-only";
+    summary["checkpoint"] = path;
+    summary["steps"] = meta.step;
+    summary["batch_size"] = batch;
+    summary["images_seen"] = meta.step * batch;
+    summary["train_seed"] = meta.train_options.value("seed", uint64_t{0});
+    std::cout << fmt::format("loaded {} (step {}, {} training pairs seen)\n", path, meta.step, meta.step * batch);
+  }
+
+  auto test_set = data::load_mnist(f->data.resolved(), data::Split::kTest);
+  data::MultiMnist test_pairs(std::move(test_set), f->test_seed, gen_options);
+  if (!f->eval_only) {
+    data::MultiMnist train_pairs(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.seed, gen_options);
+    trained = train::train_multimnist(o, train_pairs, &test_pairs, std::cout, group);
+    if (group && group->rank() != 0) return 0;  // rank 0 reports
+    eval = trained->test;
+    if (!eval)  // resumed at the end: nothing trained, nothing evaluated yet
+      eval = train::evaluate_multimnist(model, test_pairs, o.test_size, o.eval_batch_size,
+                                        o.progress ? &std::cerr : nullptr);
+    model = train::load_model(trained->checkpoint);
+    summary["mode"] = "train";
+    summary["checkpoint"] = trained->checkpoint;
+    summary["steps"] = trained->steps;
+    summary["batch_size"] = o.batch_size;
+    summary["images_seen"] = trained->images_seen;
+    summary["train_seed"] = o.seed;
+    summary["train_seconds"] = trained->seconds;
+    summary["train_images_per_second"] = trained->images_per_second;
+    if (!trained->losses.empty()) summary["final_train_loss"] = trained->losses.back();
+  } else {
+    eval = train::evaluate_multimnist(model, test_pairs, o.test_size, o.eval_batch_size,
+                                      o.progress ? &std::cerr : nullptr);
+  }
+  const auto& r = *eval;
+  summary["model"] = model->config.to_json();
+  summary["parameters"] = models::count_parameters(*model);
+  summary["test_examples"] = r.examples;
+  summary["accuracy"] = r.accuracy;
+  summary["error"] = 1 - r.accuracy;
+  summary["digit_accuracy"] = r.digit_accuracy;
+  summary["test_loss"] = r.loss;
+  summary["eval_seconds"] = r.seconds;
+  summary["overlap"] = {{"definition", kOverlapDefinition},
+                        {"examples", r.overlap.examples},
+                        {"mean_iou", r.overlap.mean_iou()},
+                        {"mean_over_smaller", r.overlap.mean_over_smaller()}};
+  std::cout << fmt::format(
+      "MultiMNIST test: error {:.2f}% (both digits among the two longest capsules: {:.2f}%; single digits "
+      "found: {:.2f}%) on {} pairs, loss {:.4f}\n",
+      100 * (1 - r.accuracy), 100 * r.accuracy, 100 * r.digit_accuracy, r.examples, r.loss);
+  std::cout << fmt::format(
+      "bounding-box overlap of the test pairs: mean IoU {:.1f}%, mean intersection / smaller box {:.1f}% "
+      "({} pairs)\n",
+      100 * r.overlap.mean_iou(), 100 * r.overlap.mean_over_smaller(), r.overlap.examples);
+
+  std::filesystem::create_directories(o.out_dir);
+  if (f->figure_correct + f->figure_wrong > 0) {
+    if (model->config.reconstruction) {
+      auto figure = train::multimnist_figure(model, test_pairs, f->figure_correct, f->figure_wrong, f->figure_columns);
+      const std::string png = o.out_dir + "/multimnist.png";
+      viz::write_png_gray(png, figure);
+      summary["figure"] = png;
+      std::cout << fmt::format("wrote {} ({}x{} px)\n", png, figure.size(1), figure.size(0));
+    } else {
+      std::cerr << "no figure: the model has no decoder\n";
+    }
+  }
+  summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
+  const std::string json_path = o.out_dir + "/multimnist.json";
+  write_text_file(json_path, summary.dump(2) + "\n");
+  std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
+  return 0;
+}
+
+}  // namespace
+
+Subcommand add_multimnist(CLI::App& root) {
+  auto f = std::make_shared<Flags>();
+  auto* app = root.add_subcommand(
+      "multimnist",
+      "Train and evaluate a CapsNet on MultiMNIST: two overlapping digits in 36x36, both must be found "
+      "(writes multimnist.json, multimnist.png, metrics.jsonl, checkpoint.pt in --out)");
+  add_data_flags(*app, f->data);
+  app->add_option("--out", f->o.out_dir, "Output directory")->capture_default_str();
+  app->add_option("--steps", f->o.steps, "Optimizer steps (each on new generated pairs)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--batch-size", f->o.batch_size, "Training batch size")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--lr", f->o.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--lr-decay", f->o.lr_decay, "Learning-rate factor per 60,000 training pairs, in (0, 1]")
+      ->check(CLI::Range(1e-9, 1.0))
+      ->capture_default_str();
+  app->add_option("--test-size", f->o.test_size, "Generated test pairs to evaluate (from the test split)")
+      ->check(CLI::Range(int64_t{1}, int64_t{100000000}))
+      ->capture_default_str();
+  app->add_option("--seed", f->o.seed, "Seed of the model initialisation and of the training pairs")
+      ->capture_default_str();
+  app->add_option("--test-seed", f->test_seed, "Seed of the test pairs (fixed, so runs share one test set)")
+      ->capture_default_str();
+  app->add_option("--routing-iters", f->o.model.routing_iterations, "Dynamic routing iterations r")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
+  app->add_option("--conv1-channels", f->o.model.conv1_channels, "Conv1 channels (paper: 256)")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  app->add_option("--primary-types", f->o.model.primary_types, "PrimaryCaps capsule types (paper: 32)")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app->add_option("--log-every", f->o.log_every, "Steps between metrics records")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--checkpoint-every", f->o.checkpoint_every, "Steps between checkpoints (0 = only at the end)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_flag("--eval-only", f->eval_only, "Evaluate --checkpoint instead of training");
+  app->add_option("--checkpoint", f->checkpoint, "Checkpoint for --eval-only (default: OUT/checkpoint.pt)");
+  app->add_option("--figure-correct", f->figure_correct, "Correctly classified test pairs in the figure")
+      ->check(CLI::Range(0, 100))
+      ->capture_default_str();
+  app->add_option("--figure-wrong", f->figure_wrong, "Misclassified test pairs in the figure")
+      ->check(CLI::Range(0, 100))
+      ->capture_default_str();
+  add_precision_flag(*app, f->o.precision);
+  add_loop_flags(*app, f->loop);
+
+  return {
+      app, [f]() {
+        auto& o = f->o;
+        o.progress = !f->loop.no_progress;
+        o.resume = f->loop.resume;
+        if (!f->checkpoint.empty() && !f->eval_only)
+          throw std::invalid_argument("--checkpoint is only read with --eval-only (training continues with --resume)");
+        if (f->eval_only) {
+          if (f->loop.threads > 0) set_threads(f->loop.threads);
+          return run_multimnist(*f, nullptr);
+        }
+        o.model.image_size = 28 + 2 * data::MultiMnistOptions{}.pad;
+        o.validate();  // before loading 50 MB of data
+        return run_training_command(f->loop, o.out_dir, o.batch_size,
+                                    [f](auto group) { return run_multimnist(*f, group); });
+      }};
+}
+
+}  // namespace capsnet::apps::cli

@@ -1,0 +1,90 @@
+#include <fmt/format.h>
+#include <pthread.h>
+#include <signal.h>
+
+#include <atomic>
+#include <iostream>
+#include <memory>
+#include <stdexcept>
+#include <thread>
+
+#include "capsnet/train/checkpoint.h"
+#include "apps/runtime.h"
+#include "apps/serve.h"
+#include "apps/cli/commands.h"
+
+namespace capsnet::apps::cli {
+
+Subcommand add_serve(CLI::App& root) {
+  struct Flags {
+    std::string checkpoint;
+    apps::ServeOptions serve;
+    int threads = 1;
+    std::string precision = "fp32";
+  };
+  auto f = std::make_shared<Flags>();
+  auto* app = root.add_subcommand(
+      "serve", "Local web viewer: draw a digit, see capsule lengths, tweak the pose, follow training");
+  app->add_option("--checkpoint", f->checkpoint, "Trained checkpoint (with a decoder) (default: the shipped MNIST model, " + std::string(kShippedModel) + ")");
+  app->add_option("--host", f->serve.host,
+                  "Address to bind (127.0.0.1: this machine only; 0.0.0.0 exposes the model to the network)")
+      ->capture_default_str();
+  app->add_option("--port", f->serve.port, "TCP port (0: any free port)")
+      ->check(CLI::Range(0, 65535))
+      ->capture_default_str();
+  app->add_option("--runs", f->serve.runs_dir, "Directory whose metrics.jsonl files the training panel shows")
+      ->capture_default_str();
+  app->add_option("--max-body", f->serve.max_body_bytes, "Largest accepted request body, bytes (larger: 413)")
+      ->check(CLI::Range(1024, 16 * 1024 * 1024))
+      ->capture_default_str();
+  app->add_option("--threads", f->threads, "Intra-op threads for the model (0 = all cores)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  add_precision_flag(*app, f->precision);
+
+  return {app, [f]() {
+            f->checkpoint = checkpoint_or_shipped(f->checkpoint);
+            set_threads(f->threads);
+            auto model = train::load_model(f->checkpoint);
+            model->set_precision(nn::parse_precision(f->precision));
+            if (!model->config.reconstruction)
+              throw std::invalid_argument(f->checkpoint +
+                                          ": this checkpoint has no decoder; train without --no-reconstruction");
+            f->serve.model_label = f->checkpoint;
+
+            // SIGINT/SIGTERM are blocked in every thread (the server's workers inherit the mask) and
+            // taken by one waiter, which stops the server from outside a signal handler.
+            sigset_t stop_signals;
+            sigemptyset(&stop_signals);
+            sigaddset(&stop_signals, SIGINT);
+            sigaddset(&stop_signals, SIGTERM);
+            pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+            apps::LiveViewer viewer(model, f->serve);
+            viewer.bind();
+            if (f->serve.host != "127.0.0.1" && f->serve.host != "localhost" && f->serve.host != "::1")
+              std::cerr << fmt::format(
+                  "serve: warning: bound to {}, not loopback: anyone who can reach this port can use the "
+                  "model and read the metrics under {}\n",
+                  f->serve.host, f->serve.runs_dir);
+            std::cout << fmt::format("capsnet serve: {} (model {}, runs {}); Ctrl-C stops\n", viewer.url(),
+                                     f->checkpoint, f->serve.runs_dir)
+                      << std::flush;
+
+            std::atomic<bool> signalled{false};
+            std::thread waiter([&viewer, &signalled, stop_signals] {
+              int sig = 0;
+              sigwait(&stop_signals, &sig);
+              signalled = true;
+              viewer.stop();
+            });
+            viewer.listen();
+            // listen() also returns on a socket error: wake the waiter so that it can be joined.
+            if (!signalled) pthread_kill(waiter.native_handle(), SIGTERM);
+            waiter.join();
+            std::cout << "capsnet serve: stopped\n";
+            return 0;
+          }};
+}
+
+}  // namespace capsnet::apps::cli

@@ -1,0 +1,89 @@
+#include <fmt/format.h>
+
+#include <iostream>
+#include <memory>
+#include <optional>
+
+#include "capsnet/data/mnist.h"
+#include "capsnet/train/distributed.h"
+#include "capsnet/train/trainer.h"
+#include "apps/cli/commands.h"
+#include "apps/cli/loop_flags.h"
+
+namespace capsnet::apps::cli {
+
+Subcommand add_train(CLI::App& root) {
+  struct Flags {
+    train::TrainOptions o;
+    DataFlags data;
+    int64_t train_limit = 0, test_limit = 0;
+    bool no_reconstruction = false, stop_routing_grad = false, no_eval = false, composite_routing = false;
+    LoopFlags loop;
+  };
+  auto f = std::make_shared<Flags>();
+  auto* app = root.add_subcommand("train", "Train a CapsNet on MNIST (checkpoint + metrics.jsonl in --out)");
+  add_data_flags(*app, f->data);
+  app->add_option("--out", f->o.out_dir, "Output directory (checkpoint.pt, metrics.jsonl)")->capture_default_str();
+  app->add_option("--epochs", f->o.epochs, "Epochs")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app->add_option("--steps", f->o.max_steps, "Total optimizer steps (overrides --epochs when > 0)")
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--batch-size", f->o.batch_size, "Batch size")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--lr", f->o.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--lr-decay", f->o.lr_decay, "Learning-rate factor per epoch, in (0, 1]")
+      ->check(CLI::Range(1e-9, 1.0))
+      ->capture_default_str();
+  app->add_option("--routing-iters", f->o.model.routing_iterations, "Dynamic routing iterations r")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
+  app->add_flag("--stop-routing-grad", f->stop_routing_grad,
+                "Treat coupling coefficients c_ij as constants in backprop (default: full gradient)");
+  app->add_flag("--composite-routing", f->composite_routing,
+                "Route with plain tensor ops instead of the fused operator (same math; slower, more memory)");
+  add_precision_flag(*app, f->o.precision);
+  app->add_flag("--no-reconstruction", f->no_reconstruction, "No decoder and no reconstruction loss");
+  app->add_flag("--stn", f->o.model.stn, "Spatial transformer in front of the CapsNet (identity at init)");
+  app->add_option("--max-shift", f->o.max_shift, "Random shift augmentation, pixels")
+      ->check(CLI::Range(0, 27))
+      ->capture_default_str();
+  app->add_option("--seed", f->o.seed, "Random seed (init, data order, shifts)")->capture_default_str();
+  app->add_option("--train-limit", f->train_limit, "Use only the first N training images (0 = all)")
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--test-limit", f->test_limit, "Evaluate on the first N test images (0 = all)")
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--checkpoint-every", f->o.checkpoint_every, "Steps between checkpoints (also at epoch ends)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_option("--log-every", f->o.log_every, "Steps between metrics records")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_flag("--no-eval", f->no_eval, "Skip the test-set evaluation at epoch ends");
+  add_loop_flags(*app, f->loop);
+
+  return {app, [f]() {
+            f->o.model.reconstruction = !f->no_reconstruction;
+            f->o.model.grad_through_routing = !f->stop_routing_grad;
+            f->o.evaluate_each_epoch = !f->no_eval;
+            f->o.fused_routing = !f->composite_routing;
+            f->o.progress = !f->loop.no_progress;
+            f->o.resume = f->loop.resume;
+            f->o.validate();  // before loading 50 MB of data
+            return run_training_command(f->loop, f->o.out_dir, f->o.batch_size, [f](auto group) {
+              auto train_set = data::take(data::load_mnist(f->data.resolved(), data::Split::kTrain), f->train_limit);
+              std::optional<data::ImageSet> test_set;
+              if (!f->no_eval)
+                test_set = data::take(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_limit);
+              auto r = train::train(f->o, train_set, test_set ? &*test_set : nullptr, std::cout, group);
+              if (group && group->rank() != 0) return 0;  // rank 0 reports
+              std::cout << fmt::format("trained steps {}..{} in {:.1f} s ({:.1f} img/s)\n", r.start_step, r.end_step,
+                                       r.seconds, r.images_per_second);
+              if (r.test)
+                std::cout << fmt::format("test accuracy: {:.2f}% (error {:.2f}%) on {} images\n",
+                                         100 * r.test->accuracy, 100 * (1 - r.test->accuracy), r.test->examples);
+              std::cout << fmt::format("checkpoint: {}\nmetrics: {}\n", r.checkpoint,
+                                       train::metrics_path(f->o.out_dir));
+              return 0;
+            });
+          }};
+}
+
+}  // namespace capsnet::apps::cli

@@ -1,0 +1,304 @@
+#include "apps/report.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+namespace capsnet::apps {
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* const kPalette[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2"};
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) throw std::runtime_error("report: cannot read " + p.string());
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string number(double v) {
+  if (!std::isfinite(v)) return "–";
+  if (v != 0 && (std::fabs(v) < 1e-3 || std::fabs(v) >= 1e6)) return fmt::format("{:.3e}", v);
+  if (std::fabs(v - std::round(v)) < 1e-12) return fmt::format("{:.0f}", v);
+  return fmt::format("{:.4g}", v);
+}
+
+std::string cell(const nlohmann::json& v) {
+  if (v.is_number()) return number(v.get<double>());
+  if (v.is_string()) return html_escape(v.get<std::string>());
+  if (v.is_boolean()) return v.get<bool>() ? "yes" : "no";
+  if (v.is_null()) return "";
+  const bool scalars = std::none_of(v.begin(), v.end(), [](const auto& e) { return e.is_structured(); });
+  if (v.is_array() && scalars) {  // e.g. a per-dimension list: short numbers, wrapped
+    std::string out;
+    for (const auto& e : v) out += (out.empty() ? "" : ", ") + cell(e);
+    return "<span class=list>[" + out + "]</span>";
+  }
+  return json_table(v);  // nested objects / arrays of objects: a table inside the cell
+}
+
+// Training curves of one metrics.jsonl: loss and accuracy by step (train records), test accuracy (eval).
+std::string metrics_section(const fs::path& path, const std::string& name) {
+  Series loss{"train loss", {}, {}}, acc{"train accuracy", {}, {}}, test{"test accuracy", {}, {}};
+  std::ifstream in(path);
+  std::string line;
+  nlohmann::json start;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    nlohmann::json r = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    // Tolerate a line cut by an interrupted run, or any record of another shape: skip it.
+    if (!r.is_object() || !r.contains("event") || !r["event"].is_string()) continue;
+    const auto event = r["event"].get<std::string>();
+    if (event == "start") start = r;
+    if (!r.contains("step") || !r["step"].is_number()) continue;
+    const double step = r["step"].get<double>();
+    auto number_at = [&](const char* key) { return r.contains(key) && r[key].is_number(); };
+    if (event == "train") {
+      if (number_at("loss")) loss.x.push_back(step), loss.y.push_back(r["loss"].get<double>());
+      if (number_at("accuracy")) acc.x.push_back(step), acc.y.push_back(r["accuracy"].get<double>());
+    } else if (event == "eval" && number_at("accuracy")) {
+      test.x.push_back(step), test.y.push_back(r["accuracy"].get<double>());
+    }
+  }
+  std::string html = fmt::format("<h3>{}</h3>\n", html_escape(name));
+  if (loss.x.empty() && test.x.empty()) return html + "<p>No training records yet.</p>\n";
+  html += "<div class=charts>" + svg_line_chart({loss}, "step", "loss") +
+          svg_line_chart({acc, test}, "step", "accuracy") + "</div>\n";
+  if (!test.y.empty())
+    html += fmt::format("<p>Last test accuracy: <b>{:.2f}%</b> at step {}.</p>\n", 100 * test.y.back(),
+                        number(test.x.back()));
+  return html;
+}
+
+// Bench JSON lines: the summary records (medians + ratios) as tables.
+std::string bench_section(const fs::path& path, int& tables) {
+  std::string html;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    nlohmann::json r = nlohmann::json::parse(line, nullptr, false);
+    if (!r.is_object() || !r.contains("summary") || r["summary"] != true) continue;
+    nlohmann::json medians = nlohmann::json::array(), ratios = nlohmann::json::array();
+    const nlohmann::json median = r.value("median", nlohmann::json::object());
+    if (!median.is_object()) continue;
+    for (auto& [config, m] : median.items()) {
+      if (!m.is_object()) continue;
+      auto row = m;
+      row["configuration"] = config;
+      medians.push_back(row);
+    }
+    const nlohmann::json pairs = r.value("ratios", nlohmann::json::object());  // named: items() must not outlive it
+    for (auto& [pair, m] : pairs.items()) {
+      if (!m.is_object()) continue;
+      auto row = m;
+      row["pair"] = pair;
+      ratios.push_back(row);
+    }
+    auto int_at = [&](const char* key) { return r.contains(key) && r[key].is_number() ? r[key].get<double>() : 0.0; };
+    html += fmt::format("<p>Medians of {} run(s), batch {}, {} threads.</p>\n", number(int_at("repeats")),
+                        number(int_at("batch_size")), number(int_at("threads")));
+    html += json_table(medians, {"configuration"}) + json_table(ratios, {"pair"});
+    tables += 2;
+  }
+  return html;
+}
+
+}  // namespace
+
+std::string html_escape(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      case '\'': out += "&#39;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+std::string base64_encode(const std::string& bytes) {
+  static const char* const kAlphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  out.reserve((bytes.size() + 2) / 3 * 4);
+  size_t i = 0;
+  for (; i + 2 < bytes.size(); i += 3) {
+    const uint32_t n = (uint8_t(bytes[i]) << 16) | (uint8_t(bytes[i + 1]) << 8) | uint8_t(bytes[i + 2]);
+    for (int s : {18, 12, 6, 0}) out += kAlphabet[(n >> s) & 63];
+  }
+  if (const size_t rest = bytes.size() - i; rest > 0) {
+    uint32_t n = uint8_t(bytes[i]) << 16;
+    if (rest == 2) n |= uint8_t(bytes[i + 1]) << 8;
+    out += kAlphabet[(n >> 18) & 63];
+    out += kAlphabet[(n >> 12) & 63];
+    out += rest == 2 ? kAlphabet[(n >> 6) & 63] : '=';
+    out += '=';
+  }
+  return out;
+}
+
+std::string svg_line_chart(const std::vector<Series>& series, const std::string& x_label,
+                           const std::string& y_label, int width, int height) {
+  double x0 = std::numeric_limits<double>::infinity(), x1 = -x0, y0 = x0, y1 = -x0;
+  for (const auto& s : series) {
+    if (s.x.size() != s.y.size())
+      throw std::invalid_argument(fmt::format("svg_line_chart: series '{}' has {} x and {} y values", s.label,
+                                              s.x.size(), s.y.size()));
+    for (size_t i = 0; i < s.x.size(); ++i) {
+      if (!std::isfinite(s.x[i]) || !std::isfinite(s.y[i])) continue;
+      x0 = std::min(x0, s.x[i]), x1 = std::max(x1, s.x[i]);
+      y0 = std::min(y0, s.y[i]), y1 = std::max(y1, s.y[i]);
+    }
+  }
+  const int left = 60, right = 12, top = 12, bottom = 40;
+  const int pw = width - left - right, ph = height - top - bottom;
+  int shown = 0;
+  for (const auto& s : series) shown += !s.x.empty();
+  height += 14 * shown;  // legend rows below the x label, so they never cover a curve
+  std::string svg = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\" "
+      "role=\"img\" aria-label=\"{2} by {3}\">\n<rect x=\"{4}\" y=\"{5}\" width=\"{6}\" height=\"{7}\" "
+      "fill=\"#fafafa\" stroke=\"#999\"/>\n",
+      width, height, html_escape(y_label), html_escape(x_label), left, top, pw, ph);
+  if (!(x0 <= x1)) return svg + "<text x=\"70\" y=\"40\">no data</text></svg>\n";
+  if (x1 == x0) x0 -= 0.5, x1 += 0.5;
+  if (y1 == y0) y0 -= 0.5, y1 += 0.5;
+  auto px = [&](double x) { return left + (x - x0) / (x1 - x0) * pw; };
+  auto py = [&](double y) { return top + (1 - (y - y0) / (y1 - y0)) * ph; };
+  svg += fmt::format(
+      "<g font-size=\"11\" font-family=\"sans-serif\" fill=\"#333\">"
+      "<text x=\"{0}\" y=\"{1}\" text-anchor=\"start\">{2}</text><text x=\"{3}\" y=\"{1}\" text-anchor=\"end\">{4}</text>"
+      "<text x=\"{5}\" y=\"{6}\" text-anchor=\"end\">{7}</text><text x=\"{5}\" y=\"{8}\" text-anchor=\"end\">{9}</text>"
+      "<text x=\"{10}\" y=\"{11}\" text-anchor=\"middle\">{12}</text>"
+      "<text x=\"12\" y=\"{13}\" text-anchor=\"middle\" transform=\"rotate(-90 12 {13})\">{14}</text></g>\n",
+      left, top + ph + 14, number(x0), left + pw, number(x1), left - 4, top + ph, number(y0), top + 10, number(y1),
+      left + pw / 2, top + ph + bottom - 6, html_escape(x_label), top + ph / 2, html_escape(y_label));
+  int legend_y = top + ph + bottom + 10;
+  for (size_t k = 0; k < series.size(); ++k) {
+    const auto& s = series[k];
+    if (s.x.empty()) continue;
+    const char* color = kPalette[k % (sizeof(kPalette) / sizeof(kPalette[0]))];
+    std::string points;
+    for (size_t i = 0; i < s.x.size(); ++i)
+      if (std::isfinite(s.x[i]) && std::isfinite(s.y[i])) points += fmt::format("{:.1f},{:.1f} ", px(s.x[i]), py(s.y[i]));
+    svg += fmt::format("<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"1.8\" points=\"{}\"/>\n", color, points);
+    if (s.x.size() == 1)  // a single point has no line to show
+      svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3\" fill=\"{}\"/>\n", px(s.x[0]), py(s.y[0]), color);
+    svg += fmt::format(
+        "<line x1=\"{0}\" y1=\"{1}\" x2=\"{2}\" y2=\"{1}\" stroke=\"{3}\" stroke-width=\"2\"/>"
+        "<text x=\"{4}\" y=\"{5}\" font-size=\"11\" font-family=\"sans-serif\" fill=\"#333\">{6}</text>\n",
+        left, legend_y - 4, left + 18, color, left + 24, legend_y, html_escape(s.label));
+    legend_y += 14;
+  }
+  return svg + "</svg>\n";
+}
+
+std::string json_table(const nlohmann::json& value, const std::vector<std::string>& leading_columns) {
+  std::string html = "<table>\n";
+  if (value.is_array() && !value.empty() && std::all_of(value.begin(), value.end(), [](auto& v) { return v.is_object(); })) {
+    std::vector<std::string> columns;
+    for (const auto& c : leading_columns)
+      if (std::any_of(value.begin(), value.end(), [&](auto& row) { return row.contains(c); })) columns.push_back(c);
+    for (const auto& row : value)
+      for (auto& [k, v] : row.items())
+        if (std::find(columns.begin(), columns.end(), k) == columns.end()) columns.push_back(k);
+    html += "<tr>";
+    for (const auto& c : columns) html += "<th>" + html_escape(c) + "</th>";
+    html += "</tr>\n";
+    for (const auto& row : value) {
+      html += "<tr>";
+      for (const auto& c : columns) html += "<td>" + (row.contains(c) ? cell(row[c]) : std::string()) + "</td>";
+      html += "</tr>\n";
+    }
+  } else if (value.is_object()) {
+    for (auto& [k, v] : value.items()) html += "<tr><th>" + html_escape(k) + "</th><td>" + cell(v) + "</td></tr>\n";
+  } else if (value.is_array()) {
+    // Mixed or nested arrays (e.g. a confusion matrix): one row per element. Recursing into cell()
+    // with the array itself would never end.
+    for (const auto& v : value) html += "<tr><td>" + cell(v) + "</td></tr>\n";
+  } else {
+    html += "<tr><td>" + cell(value) + "</td></tr>\n";
+  }
+  return html + "</table>\n";
+}
+
+ReportSummary write_report(const std::string& runs_dir, const std::string& out_path, const std::string& title) {
+  if (!fs::is_directory(runs_dir)) throw std::runtime_error("report: not a directory: " + runs_dir);
+  std::vector<fs::path> files;
+  const auto out_abs = fs::weakly_canonical(out_path);
+  for (const auto& e : fs::recursive_directory_iterator(runs_dir, fs::directory_options::skip_permission_denied))
+    if (e.is_regular_file() && fs::weakly_canonical(e.path()) != out_abs) files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+
+  ReportSummary summary;
+  std::string curves, figures, tables;
+  auto rel = [&](const fs::path& p) { return fs::relative(p, runs_dir).string(); };
+  for (const auto& p : files) {
+    const auto ext = p.extension().string();
+    const auto name = p.filename().string();
+    if (name == "metrics.jsonl") {
+      curves += metrics_section(p, rel(p.parent_path()));
+      ++summary.runs_with_metrics;
+    } else if (ext == ".png") {
+      figures += fmt::format("<figure><img alt=\"{0}\" src=\"data:image/png;base64,{1}\"><figcaption>{0}</figcaption></figure>\n",
+                             html_escape(rel(p)), base64_encode(read_file(p)));
+      ++summary.figures;
+    } else if (ext == ".jsonl") {
+      const std::string t = bench_section(p, summary.tables);
+      if (!t.empty()) tables += fmt::format("<h3>{}</h3>\n", html_escape(rel(p))) + t;
+    } else if (ext == ".json") {
+      auto j = nlohmann::json::parse(read_file(p), nullptr, false);
+      if (j.is_discarded()) continue;
+      tables += fmt::format("<h3>{}</h3>\n", html_escape(rel(p))) + json_table(j);
+      ++summary.tables;
+    }
+  }
+
+  std::string page = fmt::format(R"(<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{0}</title>
+<style>
+body {{ font-family: sans-serif; margin: 24px auto; max-width: 1200px; color: #222; }}
+h1 {{ font-size: 22px; }} h2 {{ font-size: 18px; border-bottom: 1px solid #ccc; padding-bottom: 4px; margin-top: 32px; }}
+h3 {{ font-size: 14px; margin-bottom: 4px; }}
+table {{ border-collapse: collapse; margin: 6px 0 16px; font-size: 13px; }}
+th, td {{ border: 1px solid #ccc; padding: 3px 8px; text-align: right; }} th {{ background: #f0f0f0; }}
+figure {{ display: inline-block; margin: 8px; vertical-align: top; }} figure img {{ image-rendering: pixelated; max-width: 560px; }}
+figcaption {{ font-size: 12px; color: #555; }} .charts svg {{ margin-right: 12px; }}
+td .list {{ display: inline-block; max-width: 640px; text-align: left; font-size: 12px; }} td table {{ margin: 0; }}
+</style></head><body>
+<h1>{0}</h1>
+<p>Generated by <code>capsnet report</code> from <code>{1}</code>: {2} training run(s), {3} figure(s), {4} table(s).</p>
+<h2>Training curves</h2>
+{5}
+<h2>Figures</h2>
+{6}
+<h2>Results</h2>
+{7}
+</body></html>
+)",
+                                 html_escape(title), html_escape(runs_dir), summary.runs_with_metrics, summary.figures,
+                                 summary.tables, curves.empty() ? "<p>No metrics.jsonl found.</p>" : curves,
+                                 figures.empty() ? "<p>No PNG figures found.</p>" : figures,
+                                 tables.empty() ? "<p>No JSON results found.</p>" : tables);
+  const fs::path out(out_path);
+  if (out.has_parent_path()) fs::create_directories(out.parent_path());
+  std::ofstream o(out_path, std::ios::binary);
+  if (!(o << page)) throw std::runtime_error("report: cannot write " + out_path);
+  return summary;
+}
+
+}  // namespace capsnet::apps
