@@ -135,12 +135,21 @@ LiveViewerApi::LiveViewerApi(models::CapsNet model, ServeOptions options)
   model_->eval();
 }
 
+std::vector<std::string> LiveViewerApi::class_names() const {
+  const auto K = static_cast<size_t>(model_->config.num_classes);
+  if (options_.class_names.size() == K) return options_.class_names;
+  std::vector<std::string> names;
+  for (size_t k = 0; k < K; ++k) names.push_back(std::to_string(k));
+  return names;
+}
+
 ApiResponse LiveViewerApi::info() const {
   const auto& c = model_->config;
   return json_response(200, json{{"image_size", c.image_size},
                                  {"num_classes", c.num_classes},
                                  {"digit_dim", c.digit_dim},
                                  {"model", options_.model_label},
+                                 {"classes", class_names()},
                                  {"runs_dir", options_.runs_dir},
                                  {"max_body_bytes", options_.max_body_bytes}});
 }
@@ -168,6 +177,7 @@ ApiResponse LiveViewerApi::predict(const std::string& body) {
   for (int64_t i = 0; i < out.digit_caps.size(1); ++i) caps.push_back(to_vector(out.digit_caps[0][i]));
   return json_response(200, json{{"lengths", to_vector(lengths)},
                                  {"class", k},
+                                 {"class_name", class_names()[k]},
                                  {"pose", to_vector(out.digit_caps[0][k])},
                                  {"digit_caps", std::move(caps)},
                                  {"reconstruction", to_vector(out.reconstruction[0])}});

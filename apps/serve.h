@@ -34,6 +34,8 @@ struct ServeOptions {
   int worker_threads = 4;
   /// Shown on the page (e.g. the checkpoint path).
   std::string model_label;
+  /// Name of each class (train::read_input_spec); empty: "0".."K-1".
+  std::vector<std::string> class_names;
 };
 
 /// An HTTP answer: status, body and its content type.
@@ -55,10 +57,12 @@ class LiveViewerApi {
   /// Throws std::invalid_argument if the model has no decoder or has more than one image channel.
   LiveViewerApi(models::CapsNet model, ServeOptions options);
 
-  /// GET /api/info -> {image_size, num_classes, digit_dim, model, runs_dir, max_body_bytes}.
+  /// GET /api/info -> {image_size, num_classes, digit_dim, model, classes, runs_dir, max_body_bytes}.
   ApiResponse info() const;
+  /// The names of the model's classes (ServeOptions::class_names, else "0".."K-1").
+  std::vector<std::string> class_names() const;
   /// POST /api/predict {pixels: [S*S] in [0,1], row-major, white ink on black} ->
-  /// {lengths: [K], class, pose: [D], digit_caps: [K][D], reconstruction: [S*S]}.
+  /// {lengths: [K], class, class_name, pose: [D], digit_caps: [K][D], reconstruction: [S*S]}.
   /// pose = v_class (paper Eq. 1 output of the longest capsule); reconstruction = decoder(mask(v, class)).
   /// 400 with {"error": ...} for bad JSON, a wrong count, or values outside [0, 1].
   ApiResponse predict(const std::string& body);

@@ -194,7 +194,8 @@ function buildBars() {
   const K = state.info.num_classes, bars = $("bars"); bars.innerHTML = "";
   for (let k = 0; k < K; ++k) {
     const row = document.createElement("div"); row.className = "bar"; row.id = "bar" + k;
-    row.innerHTML = '<span class="k">' + k + '</span><span class="track"><span class="fill"></span></span><span class="v"></span>';
+    row.innerHTML = '<span class="k"></span><span class="track"><span class="fill"></span></span><span class="v"></span>';
+    row.querySelector(".k").textContent = state.info.classes ? state.info.classes[k] : k;  // text: names come from directories
     bars.appendChild(row);
   }
 }

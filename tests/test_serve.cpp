@@ -53,6 +53,7 @@ class ServeHttp : public ::testing::Test {
     options.port = 0;
     options.runs_dir = runs;
     options.worker_threads = 2;
+    for (int64_t k = 0; k < model->config.num_classes; ++k) options.class_names.push_back("class " + std::to_string(k));
     viewer = std::make_unique<apps::LiveViewer>(model, options);
     port = viewer->bind();
     thread = std::thread([this] { viewer->listen(); });
@@ -94,6 +95,7 @@ TEST_F(ServeHttp, PredictEqualsForwardAndDecodeOfPoseEqualsReconstruction) {
   auto want = model->forward(image);  // v: [1, K, D]
   const int64_t k = want.lengths[0].argmax().item<int64_t>();
   EXPECT_EQ(j["class"].get<int64_t>(), k);
+  EXPECT_EQ(j["class_name"], "class " + std::to_string(k));  // the checkpoint's class names
   expect_close(floats(j["lengths"]), want.lengths[0], 1e-6, "lengths");
   expect_close(floats(j["pose"]), want.digit_caps[0][k], 1e-6, "pose");
   expect_close(floats(j["reconstruction"]), want.reconstruction[0], 1e-6, "reconstruction");

@@ -3,7 +3,11 @@
 
 #include <CLI/CLI.hpp>
 
+#include "capsnet/data/image_folder.h"
+
 #include <functional>
+#include <optional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -29,6 +33,7 @@ Subcommand add_serve(CLI::App& root);
 Subcommand add_segcaps(CLI::App& root);
 Subcommand add_stn(CLI::App& root);
 Subcommand add_em(CLI::App& root);
+Subcommand add_folder(CLI::App& root);
 
 /// Flags shared by the subcommands that compute: --threads.
 void add_threads_flag(CLI::App& app, int& threads);
@@ -63,16 +68,37 @@ std::string shipped_model_path();
 std::string checkpoint_or_shipped(const std::string& checkpoint);
 
 /// Which image set a command reads: --dataset mnist|fashion-mnist picks the default directory,
-/// --data DIR overrides it. Both sets are the same four IDX files (plain or .gz).
+/// --data DIR overrides it. Both sets are the same four IDX files (plain or .gz). `train` and `eval`
+/// also read image folders (data/image_folder.h) and take the --image-* flags.
 struct DataFlags {
   std::string dataset = "mnist";
   std::string dir;  // empty: the dataset's default directory
+  data::ImageFolderOptions folder;
+  std::string fit = "resize";
   /// The directory to read: --data if given, else the dataset's default (data/mnist or
   /// /usr/share/datasets/fashion-mnist).
   std::string resolved() const;
+  /// Whether --data names an image folder rather than IDX files.
+  bool is_folder() const;
 };
 
 /// Registers --dataset and --data on `app`, writing into `flags`.
 void add_data_flags(CLI::App& app, DataFlags& flags);
+/// Registers the image-folder flags (--image-size, --image-fit, --test-fraction, --split-seed,
+/// --skip-unreadable). `training`: --image-size picks the model's input side (else the model's own).
+void add_image_folder_flags(CLI::App& app, DataFlags& flags, bool training);
+
+/// The splits a command asked for, from IDX files or an image folder.
+struct LabelledData {
+  std::optional<data::ImageSet> train, test;
+  std::vector<std::string> class_names;  // image folder: its directories; IDX: class_names(dataset)
+  bool folder = false;
+  int64_t channels = 1, side = 28;
+};
+
+/// Loads the requested splits (limits applied: 0 = all). An image folder is decoded once (both splits,
+/// in parallel) at `image_size` (0 = the images' own), a line describing it going to `log`.
+LabelledData load_labelled_data(const DataFlags& flags, bool train, bool test, int64_t train_limit,
+                                int64_t test_limit, std::ostream& log);
 
 }  // namespace capsnet::apps::cli

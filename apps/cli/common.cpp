@@ -1,6 +1,11 @@
 #include "capsnet/data/mnist.h"
 #include "apps/cli/commands.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <stdexcept>
 
@@ -33,7 +38,69 @@ void add_data_flags(CLI::App& app, DataFlags& flags) {
                  "(Debian package dataset-fashion-mnist)")
       ->check(CLI::IsMember(data::dataset_names()))
       ->capture_default_str();
-  app.add_option("--data", flags.dir, "Directory with the four IDX files (default: the --dataset's directory)");
+  app.add_option("--data", flags.dir,
+                 "Directory with the four IDX files (default: the --dataset's directory), or for train/eval an "
+                 "image folder: DIR/train/<class>/*.png|jpg and DIR/test/<class>/..., or DIR/<class>/... split "
+                 "by --test-fraction");
+}
+
+bool DataFlags::is_folder() const { return !dir.empty() && data::is_image_folder(dir); }
+
+void add_image_folder_flags(CLI::App& app, DataFlags& flags, bool training) {
+  const std::string stored = training ? "" : " (default: what the model was trained with)";
+  if (training)
+    app.add_option("--image-size", flags.folder.image_size,
+                   "Image folders: side S of the model's input, every image resized or padded to S x S "
+                   "(0 = the images' own size; they must then all be square and equal)");
+  std::vector<CLI::Option*> with_defaults;
+  with_defaults.push_back(app.add_option("--image-fit", flags.fit,
+                 "Image folders: resize (bilinear, aspect not kept) or pad (centred on black; larger sides "
+                 "centre-cropped) images of another size" + stored)
+      ->check(CLI::IsMember({"resize", "pad"})));
+  with_defaults.push_back(app.add_option(
+      "--test-fraction", flags.folder.test_fraction,
+      "Image folders without train/ and test/: share of every class held out as the test split" + stored));
+  with_defaults.push_back(
+      app.add_option("--split-seed", flags.folder.split_seed, "Image folders: seed of the train/test split" + stored));
+  if (training)
+    for (auto* o : with_defaults) o->capture_default_str();
+  app.add_flag("--skip-unreadable", flags.folder.skip_unreadable,
+               "Image folders: skip unreadable or corrupt files with a warning (default: stop, naming the file)");
+}
+
+LabelledData load_labelled_data(const DataFlags& flags, bool train, bool test, int64_t train_limit,
+                                int64_t test_limit, std::ostream& log) {
+  LabelledData d;
+  if (!flags.is_folder()) {
+    const auto dir = flags.resolved();
+    if (train) d.train = data::take(data::load_mnist(dir, data::Split::kTrain), train_limit);
+    if (test) d.test = data::take(data::load_mnist(dir, data::Split::kTest), test_limit);
+    d.class_names = data::class_names(flags.dataset);
+    return d;
+  }
+  auto options = flags.folder;
+  options.fit = data::parse_fit(flags.fit);
+  const auto start = std::chrono::steady_clock::now();
+  auto folder = data::load_image_folder(flags.dir, options);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (const auto& w : folder.warnings) log << "warning: " << w << '\n';
+  d.folder = true;
+  d.class_names = folder.class_names;
+  d.channels = folder.train.channels();
+  d.side = folder.train.height();
+  log << fmt::format("image folder {}: {} classes ({}{}), {} training and {} test images ({}), {}x{}x{} ({}), "
+                     "decoded in {:.1f} s\n",
+                     flags.dir, folder.class_names.size(),
+                     fmt::join(folder.class_names.begin(),
+                               folder.class_names.begin() + std::min<size_t>(folder.class_names.size(), 5), ", "),
+                     folder.class_names.size() > 5 ? ", ..." : "", folder.train.size(), folder.test.size(),
+                     folder.presplit ? "train/ and test/"
+                                     : fmt::format("{:g}% of each class held out, seed {}",
+                                                   100 * options.test_fraction, options.split_seed),
+                     d.channels, d.side, d.side, flags.folder.image_size > 0 ? flags.fit : "own size", seconds);
+  if (train) d.train = data::take(folder.train, train_limit);
+  if (test) d.test = data::take(folder.test, test_limit);
+  return d;
 }
 
 }  // namespace capsnet::apps::cli

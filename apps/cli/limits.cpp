@@ -49,6 +49,8 @@ const std::map<std::string, Range>& limits() {
       {"--infer-batches", {1, 1e6, true}},     {"--index", {0, 1e9, true}},
       {"--fragments", {0, 100, true}},         {"--canvas", {8, 1024, true}},
       {"--repeats", {1, 1000, true}},          {"--routing", {1, 100, true}},          {"--dist-timeout", {0.001, 86400, false}},
+      {"--image-size", {0, 1024, true}},       {"--test-fraction", {0, 0.99, false}},
+      {"--split-seed", {0, kI63, true}},       {"--side", {1, 1024, true}},
   };
   return table;
 }

@@ -38,7 +38,8 @@ int main(int argc, char** argv) {
       capsnet::apps::cli::add_reconstruct(app), capsnet::apps::cli::add_perturb(app),  capsnet::apps::cli::add_multimnist(app),
       capsnet::apps::cli::add_affine(app),     capsnet::apps::cli::add_ablation(app), capsnet::apps::cli::add_bench(app),
       capsnet::apps::cli::add_report(app),     capsnet::apps::cli::add_export(app),   capsnet::apps::cli::add_serve(app),
-      capsnet::apps::cli::add_segcaps(app),    capsnet::apps::cli::add_stn(app),      capsnet::apps::cli::add_em(app)};
+      capsnet::apps::cli::add_segcaps(app),    capsnet::apps::cli::add_stn(app),      capsnet::apps::cli::add_em(app),
+      capsnet::apps::cli::add_folder(app)};
 
   capsnet::apps::cli::apply_numeric_limits(app);
   bool verbose = false;

@@ -1,117 +1,219 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <memory>
 
 #include "capsnet/data/idx.h"
+#include "capsnet/data/image_file.h"
 #include "capsnet/data/transforms.h"
 #include "capsnet/train/checkpoint.h"
 #include "apps/runtime.h"
-#include "capsnet/viz/png.h"
 #include "apps/cli/commands.h"
 
 namespace capsnet::apps::cli {
 namespace {
+namespace fs = std::filesystem;
 
-bool has_png_extension(const std::string& path) {
-  auto ext = std::filesystem::path(path).extension().string();
-  for (auto& ch : ext) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  return ext == ".png";
-}
+/// One thing to classify: an image file, or the images of an IDX file (a batch of rows).
+struct Source {
+  std::string path;
+  bool idx = false;
+};
 
-/// A PNG as the model's input: gray, white digit on black (inverted when `invert` says so or, for
-/// "auto", when the background is light), resized to side x side. Returns uint8 [1, side, side].
-torch::Tensor load_png_digit(const std::string& path, const std::string& invert, int64_t side) {
-  auto img = viz::read_png_gray(path);  // [H, W]
-  const bool light = img.to(torch::kFloat).mean().item<double>() > 127.5;
-  if (invert == "yes" || (invert == "auto" && light)) img = 255 - img;
-  if (img.size(0) != side || img.size(1) != side) {
-    namespace F = torch::nn::functional;
-    auto f = F::interpolate(img.to(torch::kFloat).unsqueeze(0).unsqueeze(0),
-                            F::InterpolateFuncOptions()
-                                .size(std::vector<int64_t>{side, side})
-                                .mode(torch::kBilinear)
-                                .align_corners(false));
-    img = f.squeeze(0).squeeze(0).round().clamp(0, 255).to(torch::kUInt8);
+/// Expands the inputs: a directory becomes its image files (recursively, sorted); a file whose name
+/// ends in .png/.jpg/.jpeg is an image, any other file an IDX image file.
+std::vector<Source> expand_inputs(const std::vector<std::string>& inputs) {
+  std::vector<Source> out;
+  for (const auto& in : inputs) {
+    if (fs::is_directory(in)) {
+      std::vector<std::string> files;
+      for (const auto& e : fs::recursive_directory_iterator(in, fs::directory_options::follow_directory_symlink))
+        if (e.is_regular_file() && data::has_image_extension(e.path().string())) files.push_back(e.path().string());
+      if (files.empty()) throw std::invalid_argument(fmt::format("{}: no .png/.jpg/.jpeg files in this directory", in));
+      std::sort(files.begin(), files.end());
+      for (auto& f : files) out.push_back({std::move(f), false});
+    } else {
+      out.push_back({in, !data::has_image_extension(in)});
+    }
   }
-  return img.unsqueeze(0);
+  return out;
 }
+
+/// CSV field: quoted when it holds a comma, a quote or a line break.
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n\r") == std::string::npos) return s;
+  std::string q = "\"";
+  for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return q + "\"";
+}
+
+/// Writes one line per image in the chosen format.
+class PredictionWriter {
+ public:
+  PredictionWriter(std::ostream& out, std::string format, std::vector<std::string> classes, bool pose, int64_t dim)
+      : out_(out), format_(std::move(format)), classes_(std::move(classes)), pose_(pose) {
+    if (format_ != "csv") return;
+    out_ << "input,class,label,length";
+    for (const auto& c : classes_) out_ << "," << csv_field("length_" + c);
+    if (pose_)
+      for (int64_t d = 0; d < dim; ++d) out_ << ",pose_" << d;
+    out_ << '\n';
+  }
+
+  /// lengths: [K] float; pose: [D] float (the predicted class's capsule).
+  void write(const std::string& input, const torch::Tensor& lengths, const torch::Tensor& pose) {
+    std::vector<double> lv(lengths.data_ptr<float>(), lengths.data_ptr<float>() + lengths.numel());
+    const int64_t p = std::max_element(lv.begin(), lv.end()) - lv.begin();
+    const std::string& name = classes_[p];
+    std::vector<double> pv;
+    if (pose_) pv.assign(pose.data_ptr<float>(), pose.data_ptr<float>() + pose.numel());
+    if (format_ == "jsonl") {
+      nlohmann::json j{{"input", input}, {"class", name}, {"prediction", p}, {"length", lv[p]}, {"lengths", lv}};
+      if (pose_) j["pose"] = pv;
+      out_ << j.dump() << '\n';
+    } else if (format_ == "csv") {
+      out_ << csv_field(input) << ',' << csv_field(name) << ',' << p << ',' << fmt::format("{:.6g}", lv[p]);
+      for (double v : lv) out_ << fmt::format(",{:.6g}", v);
+      for (double v : pv) out_ << fmt::format(",{:.6g}", v);
+      out_ << '\n';
+    } else {
+      out_ << fmt::format("{}: {} (|v| = {:.3f}; lengths {:.2f})", input, name, lv[p], fmt::join(lv, " "));
+      if (pose_) out_ << fmt::format(" pose {:.3f}", fmt::join(pv, " "));
+      out_ << '\n';
+    }
+  }
+
+ private:
+  std::ostream& out_;
+  std::string format_;
+  std::vector<std::string> classes_;
+  bool pose_;
+};
 
 }  // namespace
 
 Subcommand add_predict(CLI::App& root) {
   struct Flags {
-    std::string checkpoint, invert = "auto";
+    std::string checkpoint, invert = "auto", format = "text", output, fit;
     std::vector<std::string> inputs;
     int64_t limit = 20, batch_size = 256;
-    bool json = false;
+    bool json = false, pose = false;
     int threads = 0;
     std::string precision = "fp32";
   };
   auto f = std::make_shared<Flags>();
-  auto* app = root.add_subcommand("predict", "Classify digits from PNG images or an IDX image file");
-  app->add_option("inputs", f->inputs, "PNG files and/or IDX image files ([N, 28, 28] uint8)")
+  auto* app = root.add_subcommand("predict", "Classify image files (PNG, JPEG), folders of them, or IDX image files");
+  app->add_option("inputs", f->inputs,
+                  "PNG/JPEG files, directories (every .png/.jpg/.jpeg below, sorted) and/or IDX image files "
+                  "([N, S, S] uint8)")
       ->required()
-      ->check(CLI::ExistingFile);
+      ->check(CLI::ExistingPath);
   app->add_option("--checkpoint", f->checkpoint, "Trained checkpoint (default: the shipped MNIST model, " + std::string(kShippedModel) + ")");
   app->add_option("--limit", f->limit, "At most N images from each IDX file (0 = all)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app->add_option("--invert", f->invert, "PNG: invert to white-on-black (auto: when the background is light)")
+  app->add_option("--invert", f->invert,
+                  "Grey images: invert to white-on-black (auto: when the background is light and the model was "
+                  "trained on MNIST or Fashion-MNIST)")
       ->check(CLI::IsMember({"auto", "yes", "no"}))
       ->capture_default_str();
+  app->add_option("--image-fit", f->fit,
+                  "Images of another size: resize or pad (default: what the model was trained with)")
+      ->check(CLI::IsMember({"resize", "pad"}));
   app->add_option("--batch-size", f->batch_size,
                   "Images per forward pass: memory stays bounded by one batch whatever the input size")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app->add_flag("--json", f->json, "One JSON object per image");
+  app->add_option("--format", f->format, "text, csv (a header, one row per image) or jsonl (one JSON object per image)")
+      ->check(CLI::IsMember({"text", "csv", "jsonl"}))
+      ->capture_default_str();
+  app->add_flag("--json", f->json, "Same as --format jsonl");
+  app->add_flag("--pose", f->pose, "Also write the predicted class's capsule (its pose vector, e.g. 16 numbers)");
+  app->add_option("--output", f->output, "Write the predictions to this file instead of stdout");
   add_threads_flag(*app, f->threads);
   add_precision_flag(*app, f->precision);
 
   return {app, [f]() {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
+            if (f->json) f->format = "jsonl";
+            if (!f->output.empty()) check_not_an_input(f->output, f->inputs);
             if (f->threads > 0) set_threads(f->threads);
             auto model = train::load_model(f->checkpoint);
             model->set_precision(nn::parse_precision(f->precision));
-            const int64_t side = model->config.image_size;
+            const auto spec = train::read_input_spec(f->checkpoint);
+            const auto fit = data::parse_fit(f->fit.empty() ? spec.image_fit : f->fit);
+            const int64_t side = model->config.image_size, channels = model->config.image_channels;
+            // Digit models were trained on white-on-black: a light grey background means a scan to invert.
+            const bool digit_model = spec.dataset != "image-folder";
+            const auto sources = expand_inputs(f->inputs);
+
+            std::ofstream file;
+            if (!f->output.empty()) {
+              const auto parent = fs::path(f->output).parent_path();
+              if (!parent.empty()) fs::create_directories(parent);
+              file.open(f->output);
+              if (!file) throw std::runtime_error("cannot write " + f->output);
+            }
+            std::ostream& out = f->output.empty() ? std::cout : file;
+            PredictionWriter writer(out, f->format, spec.class_names, f->pose, model->config.digit_dim);
             torch::NoGradGuard no_grad;
-            for (const auto& path : f->inputs) {
-              torch::Tensor images;  // [N, side, side] uint8
-              if (has_png_extension(path)) {
-                images = load_png_digit(path, f->invert, side);
-              } else {
-                images = data::read_idx(path);
-                if (images.dim() == 2) images = images.unsqueeze(0);
-                if (images.dim() != 3 || images.size(1) != side || images.size(2) != side)
-                  throw std::invalid_argument(fmt::format("{}: expected IDX images [N, {}, {}], got {}", path, side,
-                                                          side, fmt::join(images.sizes(), "x")));
-                if (f->limit > 0) images = images.narrow(0, 0, std::min(f->limit, images.size(0)));
+            int64_t written = 0;
+
+            // images: uint8 [n, C, S, S]; names: one per row.
+            auto run_batch = [&](torch::Tensor images, const std::vector<std::string>& names) {
+              auto o = model(data::to_float(images));
+              auto lengths = o.lengths.contiguous();                           // [n, K]
+              auto pred = lengths.argmax(1);                                   // [n]
+              auto pose = o.digit_caps.index({torch::arange(pred.size(0)), pred}).contiguous();  // [n, D]
+              for (size_t b = 0; b < names.size(); ++b) writer.write(names[b], lengths[b], pose[b]);
+              written += static_cast<int64_t>(names.size());
+              out.flush();
+            };
+            std::vector<std::string> pending;  // image files waiting for a full batch
+            auto flush_files = [&] {
+              if (pending.empty()) return;
+              auto images = data::load_image_files(pending, channels, side, fit);  // [n, C, S, S]
+              if (channels == 1 && (f->invert == "yes" || (f->invert == "auto" && digit_model))) {
+                for (int64_t i = 0; i < images.size(0); ++i) {
+                  const bool light = images[i].to(torch::kFloat).mean().item<double>() > 127.5;
+                  if (f->invert == "yes" || light) images[i] = 255 - images[i];
+                }
               }
+              run_batch(images, pending);
+              pending.clear();
+            };
+            for (const auto& s : sources) {
+              if (!s.idx) {
+                pending.push_back(s.path);
+                if (static_cast<int64_t>(pending.size()) == f->batch_size) flush_files();
+                continue;
+              }
+              flush_files();  // keep the output in input order
+              auto images = data::read_idx(s.path);
+              if (images.dim() == 2) images = images.unsqueeze(0);
+              if (images.dim() == 3) images = images.unsqueeze(1);
+              if (images.dim() != 4 || images.size(1) != channels || images.size(2) != side || images.size(3) != side)
+                throw std::invalid_argument(fmt::format("{}: expected IDX images [N, {}, {}]{}, got {}", s.path, side,
+                                                        side, channels == 1 ? "" : fmt::format(" with {} channels", channels),
+                                                        fmt::join(images.sizes(), "x")));
+              if (f->limit > 0) images = images.narrow(0, 0, std::min(f->limit, images.size(0)));
               // Batched: activations of one batch at a time (the 60k-image file in ~0.5 GB, not ~90 GB).
               const int64_t n = images.size(0);
               for (int64_t start = 0; start < n; start += f->batch_size) {
                 const int64_t len = std::min(f->batch_size, n - start);
-                auto out = model(data::to_float(images.narrow(0, start, len)));
-                auto lengths_all = out.lengths.contiguous();  // [len, K]
-                auto pred = lengths_all.argmax(1);
-                for (int64_t b = 0; b < len; ++b) {
-                  const int64_t i = start + b;
-                  auto lengths = lengths_all[b];
-                  std::vector<double> lv(lengths.data_ptr<float>(), lengths.data_ptr<float>() + lengths.numel());
-                  const int64_t p = pred[b].item<int64_t>();
-                  const std::string name = n == 1 ? path : fmt::format("{}[{}]", path, i);
-                  if (f->json) {
-                    std::cout << nlohmann::json{{"input", name}, {"prediction", p}, {"lengths", lv}}.dump() << '\n';
-                  } else {
-                    std::cout << fmt::format("{}: {} (|v| = {:.3f}; lengths {:.2f})\n", name, p, lv[p],
-                                             fmt::join(lv, " "));
-                  }
-                }
-                std::cout.flush();
+                std::vector<std::string> names;
+                for (int64_t i = start; i < start + len; ++i)
+                  names.push_back(n == 1 ? s.path : fmt::format("{}[{}]", s.path, i));
+                run_batch(images.narrow(0, start, len), names);
               }
             }
+            flush_files();
+            if (!f->output.empty())
+              std::cerr << fmt::format("wrote {} predictions to {} ({})\n", written, f->output, f->format);
             return 0;
           }};
 }

@@ -51,6 +51,7 @@ Subcommand add_serve(CLI::App& root) {
               throw std::invalid_argument(f->checkpoint +
                                           ": this checkpoint has no decoder; train without --no-reconstruction");
             f->serve.model_label = f->checkpoint;
+            f->serve.class_names = train::read_input_spec(f->checkpoint).class_names;
 
             // SIGINT/SIGTERM are blocked in every thread (the server's workers inherit the mask) and
             // taken by one waiter, which stops the server from outside a signal handler.

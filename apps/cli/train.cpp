@@ -3,6 +3,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 
 #include "capsnet/data/mnist.h"
 #include "capsnet/train/distributed.h"
@@ -23,6 +24,7 @@ Subcommand add_train(CLI::App& root) {
   auto f = std::make_shared<Flags>();
   auto* app = root.add_subcommand("train", "Train a CapsNet on MNIST (checkpoint + metrics.jsonl in --out)");
   add_data_flags(*app, f->data);
+  add_image_folder_flags(*app, f->data, /*training=*/true);
   app->add_option("--out", f->o.out_dir, "Output directory (checkpoint.pt, metrics.jsonl)")->capture_default_str();
   app->add_option("--epochs", f->o.epochs, "Epochs")->check(CLI::NonNegativeNumber)->capture_default_str();
   app->add_option("--steps", f->o.max_steps, "Total optimizer steps (overrides --epochs when > 0)")
@@ -34,6 +36,10 @@ Subcommand add_train(CLI::App& root) {
       ->capture_default_str();
   app->add_option("--routing-iters", f->o.model.routing_iterations, "Dynamic routing iterations r")
       ->check(CLI::Range(1, 100))
+      ->capture_default_str();
+  app->add_option("--conv1-channels", f->o.model.conv1_channels, "Conv1 channels (paper: 256)")->capture_default_str();
+  app->add_option("--primary-types", f->o.model.primary_types,
+                  "PrimaryCaps capsule types (paper: 32 for MNIST, 64 for CIFAR-10)")
       ->capture_default_str();
   app->add_flag("--stop-routing-grad", f->stop_routing_grad,
                 "Treat coupling coefficients c_ij as constants in backprop (default: full gradient)");
@@ -67,12 +73,27 @@ Subcommand add_train(CLI::App& root) {
             f->o.progress = !f->loop.no_progress;
             f->o.resume = f->loop.resume;
             f->o.validate();  // before loading 50 MB of data
+            if (!f->data.is_folder() && f->data.folder.image_size > 0)
+              throw std::invalid_argument("--image-size applies to image folders (--data DIR/<class>/...)");
             return run_training_command(f->loop, f->o.out_dir, f->o.batch_size, [f](auto group) {
-              auto train_set = data::take(data::load_mnist(f->data.resolved(), data::Split::kTrain), f->train_limit);
-              std::optional<data::ImageSet> test_set;
-              if (!f->no_eval)
-                test_set = data::take(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_limit);
-              auto r = train::train(f->o, train_set, test_set ? &*test_set : nullptr, std::cout, group);
+              std::ostream null_log(nullptr);
+              auto data = load_labelled_data(f->data, true, !f->no_eval, f->train_limit, f->test_limit,
+                                             group && group->rank() != 0 ? null_log : std::cout);
+              if (data.folder) {  // the model takes the folder's shape and classes
+                f->o.model.image_channels = data.channels;
+                f->o.model.image_size = data.side;
+                f->o.model.num_classes = static_cast<int64_t>(data.class_names.size());
+                f->o.data_info = {{"dataset", "image-folder"},
+                                   {"image_fit", f->data.fit},
+                                   {"test_fraction", f->data.folder.test_fraction},
+                                   {"split_seed", f->data.folder.split_seed}};
+                f->o.validate();
+              } else {
+                f->o.data_info = {{"dataset", f->data.dataset}};  // predict / eval / serve name the classes
+              }
+              auto& train_set = *data.train;
+              const auto* test_set = data.test && data.test->size() > 0 ? &*data.test : nullptr;
+              auto r = train::train(f->o, train_set, test_set, std::cout, group);
               if (group && group->rank() != 0) return 0;  // rank 0 reports
               std::cout << fmt::format("trained steps {}..{} in {:.1f} s ({:.1f} img/s)\n", r.start_step, r.end_step,
                                        r.seconds, r.images_per_second);

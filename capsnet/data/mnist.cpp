@@ -1,5 +1,7 @@
 #include "capsnet/data/mnist.h"
 
+#include "capsnet/data/image_folder.h"
+
 #include "capsnet/data/idx.h"
 
 #include <fmt/format.h>
@@ -60,6 +62,10 @@ ImageSet load_mnist(const std::string& dir, Split split) {
     // A symlink loop or a permission problem is not "missing": say what it is.
     if (ec && ec != std::errc::no_such_file_or_directory)
       throw IdxError(fmt::format("{}: cannot open: {}", p, ec.message()));
+    if (!there && is_image_folder(dir))
+      throw IdxError(fmt::format("{}: an image folder (class directories), not IDX files: `capsnet train`, `eval` "
+                                 "and `predict` read image folders, this command needs MNIST's IDX files",
+                                 dir));
     if (!there) throw IdxError(fmt::format("{}: MNIST file missing; {}", p, fetch_hint(dir)));
   }
 
@@ -106,7 +112,7 @@ const std::vector<std::string>& class_names(const std::string& dataset) {
 
 ImageSet take(const ImageSet& set, int64_t n) {
   if (n <= 0 || n >= set.size()) return set;
-  return {set.images.narrow(0, 0, n), set.labels.narrow(0, 0, n)};
+  return {set.images.narrow(0, 0, n), set.labels.narrow(0, 0, n), set.class_names};
 }
 
 }  // namespace capsnet::data

@@ -12,9 +12,15 @@ enum class Split { kTrain, kTest };
 
 /// An in-memory image classification set.
 struct ImageSet {
-  torch::Tensor images;  // [N, H, W] uint8 (0 = background)
+  torch::Tensor images;  // [N, H, W] uint8 (grey; 0 = background) or [N, C, H, W] uint8 (C channels)
   torch::Tensor labels;  // [N] int64
+  /// Names of the classes, label i = class_names[i] (image folders: the directory names); empty for
+  /// the IDX sets, whose names come from class_names(dataset).
+  std::vector<std::string> class_names = {};
   int64_t size() const { return labels.size(0); }
+  int64_t channels() const { return images.dim() == 4 ? images.size(1) : 1; }
+  int64_t height() const { return images.size(images.dim() - 2); }
+  int64_t width() const { return images.size(images.dim() - 1); }
 };
 
 /// Paths of the IDX files of `split` inside `dir` (train-images-idx3-ubyte, ... ; a ".gz" sibling is
@@ -38,7 +44,7 @@ std::string default_data_dir(const std::string& dataset);
 /// The ten class names of a dataset ("0".."9" for MNIST; "T-shirt/top".."Ankle boot" for Fashion-MNIST).
 const std::vector<std::string>& class_names(const std::string& dataset);
 
-/// The first `n` examples (all of them when n <= 0 or n >= size).
+/// The first `n` examples (all of them when n <= 0 or n >= size); class names are kept.
 ImageSet take(const ImageSet& set, int64_t n);
 
 }  // namespace capsnet::data

@@ -3,10 +3,11 @@
 namespace capsnet::data {
 
 torch::Tensor to_float(const torch::Tensor& images_u8) {
-  TORCH_CHECK(images_u8.dim() == 3 && images_u8.scalar_type() == torch::kUInt8,
-              "to_float: expected uint8 images [B, H, W], got ", images_u8.scalar_type(), " ",
+  TORCH_CHECK((images_u8.dim() == 3 || images_u8.dim() == 4) && images_u8.scalar_type() == torch::kUInt8,
+              "to_float: expected uint8 images [B, H, W] or [B, C, H, W], got ", images_u8.scalar_type(), " ",
               images_u8.sizes());
-  return images_u8.unsqueeze(1).to(torch::kFloat).div_(255);  // [B, 1, H, W]
+  auto nchw = images_u8.dim() == 3 ? images_u8.unsqueeze(1) : images_u8;
+  return nchw.to(torch::kFloat).div_(255);  // [B, C, H, W]
 }
 
 torch::Tensor shift(const torch::Tensor& images, const torch::Tensor& dx, const torch::Tensor& dy) {

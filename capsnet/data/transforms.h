@@ -5,7 +5,8 @@
 
 namespace capsnet::data {
 
-/// uint8 images [B, H, W] -> float32 [B, 1, H, W] in [0, 1].
+/// uint8 images [B, H, W] (grey) or [B, C, H, W] -> float32 [B, C, H, W] in [0, 1] (x / 255: the
+/// decoder's sigmoid reconstructs exactly this, so no mean/std normalisation).
 torch::Tensor to_float(const torch::Tensor& images_u8);
 
 /// Shifts each image by its own random (dx, dy), each uniform in [-max_shift, max_shift], with zero

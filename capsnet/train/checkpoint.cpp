@@ -1,5 +1,7 @@
 #include "capsnet/train/checkpoint.h"
 
+#include "capsnet/data/mnist.h"
+
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -266,6 +268,36 @@ CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model
                                       std::string(e.what()).substr(0, 300)));
   }
   return meta;
+}
+
+InputSpec read_input_spec(const std::string& path) {
+  nlohmann::json info, config;
+  if (auto weights = try_read_weights(path)) {
+    info = weights->card.is_object() ? weights->card : nlohmann::json::object();
+    config = weights->config;
+  } else {
+    auto meta = read_checkpoint_meta(path);
+    info = meta.train_options.is_object() ? meta.train_options : nlohmann::json::object();
+    config = meta.model_config;
+  }
+  InputSpec spec;
+  try {
+    spec.dataset = info.value("dataset", std::string());
+    spec.image_fit = info.value("image_fit", spec.image_fit);
+    spec.test_fraction = info.value("test_fraction", spec.test_fraction);
+    spec.split_seed = info.value("split_seed", spec.split_seed);
+    if (info.contains("classes")) spec.class_names = info["classes"].get<std::vector<std::string>>();
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(fmt::format("{}: malformed classes / image_fit / dataset: {}", path, e.what()));
+  }
+  const int64_t K = config.is_object() ? config.value("num_classes", int64_t{10}) : 10;
+  if (spec.class_names.empty() && (spec.dataset == "mnist" || spec.dataset == "fashion-mnist") && K == 10)
+    spec.class_names = data::class_names(spec.dataset);
+  if (static_cast<int64_t>(spec.class_names.size()) != K) {
+    spec.class_names.clear();
+    for (int64_t k = 0; k < K; ++k) spec.class_names.push_back(std::to_string(k));
+  }
+  return spec;
 }
 
 models::CapsNet load_model(const std::string& path) {

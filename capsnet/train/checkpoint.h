@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "capsnet/models/capsnet.h"
 
@@ -40,6 +41,22 @@ CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, 
 /// Any module: `config_matches` says whether the stored model config describes `model` (CheckpointError if not).
 CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
                                const std::function<bool(const nlohmann::json&)>& config_matches);
+
+/// What a trained model expects of its inputs beyond its config, for predict / eval / serve.
+struct InputSpec {
+  /// Label i's name: a training image folder's class directories, an IDX dataset's names (MNIST digits,
+  /// Fashion-MNIST clothes), else "0".."K-1".
+  std::vector<std::string> class_names;
+  std::string image_fit = "resize";  // how images of another size are brought to the model's (image_file.h)
+  std::string dataset;               // "mnist", "fashion-mnist", "image-folder" or "" (not recorded)
+  /// Image folders without train/ and test/: the split the model was trained with (eval's test split).
+  double test_fraction = 0.1;
+  uint64_t split_seed = 0;
+};
+
+/// The input spec of a checkpoint (its training options) or of a weight file (its model card):
+/// keys "classes", "image_fit", "dataset", "test_fraction", "split_seed"; what is missing gets the defaults above.
+InputSpec read_input_spec(const std::string& path);
 
 /// Builds the model described by the checkpoint and loads its weights (for eval / predict).
 /// Also accepts a weight file written by save_weights (export.h), e.g. the shipped model.

@@ -155,7 +155,20 @@ ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::s
   s.step = step;
   s.tensors = static_cast<int64_t>(model->named_parameters().size() + model->named_buffers().size());
   s.parameters = models::count_parameters(*model);
-  s.bytes = save_weights(out_path, model, step, options);
+  // The card carries what predict / eval / serve need beyond the config: class names, image fit, dataset.
+  auto with_inputs = options;
+  const auto spec = read_input_spec(checkpoint_path);
+  if (with_inputs.card.is_null()) with_inputs.card = nlohmann::json::object();
+  if (with_inputs.card.is_object()) {
+    if (!with_inputs.card.contains("classes")) with_inputs.card["classes"] = spec.class_names;
+    if (!with_inputs.card.contains("image_fit")) with_inputs.card["image_fit"] = spec.image_fit;
+    if (!with_inputs.card.contains("dataset") && !spec.dataset.empty()) with_inputs.card["dataset"] = spec.dataset;
+    if (spec.dataset == "image-folder") {
+      with_inputs.card.emplace("test_fraction", spec.test_fraction);
+      with_inputs.card.emplace("split_seed", spec.split_seed);
+    }
+  }
+  s.bytes = save_weights(out_path, model, step, with_inputs);
   return s;
 }
 

@@ -30,7 +30,11 @@ class ClassificationTask : public Task {
     return models::same_config(saved, o_.model);
   }
   nlohmann::json data_config() const override {
-    return {{"max_shift", o_.max_shift}, {"train_examples", train_.size()}};
+    nlohmann::json j = {{"max_shift", o_.max_shift}, {"train_examples", train_.size()}};
+    // Only when present, so the resume check of a run that predates them still matches.
+    if (!train_.class_names.empty()) j["classes"] = train_.class_names;
+    for (const auto& [key, value] : o_.data_info.items()) j[key] = value;
+    return j;
   }
   std::string describe() const override { return "CapsNet"; }
   int64_t epoch_size() const override { return train_.size(); }
@@ -104,10 +108,15 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
                   std::ostream& log, std::shared_ptr<ProcessGroup> group) {
   options.validate();
   if (train_set.size() == 0) throw std::invalid_argument("training set is empty");
-  if (train_set.images.size(1) != options.model.image_size || train_set.images.size(2) != options.model.image_size)
-    throw std::invalid_argument(fmt::format("training images are {}x{} but the model expects {}x{}",
-                                            train_set.images.size(1), train_set.images.size(2),
-                                            options.model.image_size, options.model.image_size));
+  if (train_set.height() != options.model.image_size || train_set.width() != options.model.image_size ||
+      train_set.channels() != options.model.image_channels)
+    throw std::invalid_argument(fmt::format("training images are {}x{} with {} channel(s) but the model expects {}x{} with {}",
+                                            train_set.width(), train_set.height(), train_set.channels(),
+                                            options.model.image_size, options.model.image_size,
+                                            options.model.image_channels));
+  if (!train_set.class_names.empty() && static_cast<int64_t>(train_set.class_names.size()) != options.model.num_classes)
+    throw std::invalid_argument(fmt::format("the training set has {} classes but the model has {} (num_classes)",
+                                            train_set.class_names.size(), options.model.num_classes));
   ClassificationTask task(options, train_set, test_set);
   auto r = run(task, options.loop_options(), log, std::move(group));
   TrainResult result;

@@ -37,6 +37,9 @@ struct TrainOptions {
   bool progress = true;
   bool fused_routing = true;  // the fused routing operator (false: composite ops; same math)
   std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of the convolutions and decoder
+  /// How the data became model inputs, kept in the checkpoint for predict / eval / serve (image folders:
+  /// {"image_fit": "resize" | "pad", "data": DIR}). The training set's class names are stored beside it.
+  nlohmann::json data_info = nlohmann::json::object();
 
   /// The loop's share of these options.
   LoopOptions loop_options() const;
