@@ -45,7 +45,13 @@ TEST(TransformsTest, ToFloat) {
   EXPECT_EQ(f.sizes(), (std::vector<int64_t>{2, 1, 1, 3}));
   EXPECT_TRUE(torch::allclose(f.flatten(), torch::tensor({0.0f, 0.2f, 1.0f, 128 / 255.0f, 1 / 255.0f, 254 / 255.0f})));
   EXPECT_THROW(to_float(torch::zeros({2, 3, 3}, torch::kFloat)), c10::Error);
-  EXPECT_THROW(to_float(torch::zeros({2, 1, 3, 3}, torch::kUInt8)), c10::Error);
+  // [B, C, H, W] (colour image folders) keeps its channels; 2-D and 5-D are refused.
+  auto rgb = torch::full({2, 3, 4, 5}, 255, torch::kUInt8);
+  auto g = to_float(rgb);
+  EXPECT_EQ(g.sizes(), rgb.sizes());
+  EXPECT_TRUE(torch::all(g == 1).item<bool>());
+  EXPECT_THROW(to_float(torch::zeros({3, 3}, torch::kUInt8)), c10::Error);
+  EXPECT_THROW(to_float(torch::zeros({1, 2, 1, 3, 3}, torch::kUInt8)), c10::Error);
 }
 
 TEST(TransformsTest, ShiftMovesSinglePixelExactly) {

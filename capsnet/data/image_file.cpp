@@ -53,6 +53,12 @@ void jpeg_error_exit(j_common_ptr cinfo) {
   std::longjmp(err->jump, 1);
 }
 
+// Warnings (msg_level -1: a truncated file, corrupt data) mean libjpeg made up the missing pixels:
+// for training data that is a damaged file, so it is an error too. Trace messages (level >= 0) are ignored.
+void jpeg_emit_message(j_common_ptr cinfo, int msg_level) {
+  if (msg_level < 0) jpeg_error_exit(cinfo);
+}
+
 struct FileCloser {
   void operator()(std::FILE* f) const { std::fclose(f); }
 };
@@ -64,6 +70,7 @@ torch::Tensor read_jpeg(const std::string& path) {
   JpegError err;
   cinfo.err = jpeg_std_error(&err.mgr);
   err.mgr.error_exit = jpeg_error_exit;
+  err.mgr.emit_message = jpeg_emit_message;
   err.message[0] = '\0';
   // Everything setjmp may return into is declared before it (no C++ object is skipped by longjmp).
   torch::Tensor hwc;

@@ -1,5 +1,7 @@
 #include "capsnet/viz/png.h"
 
+#include "capsnet/data/image_file.h"
+
 #include <fmt/format.h>
 #include <png.h>
 
@@ -35,16 +37,11 @@ void write_png_gray(const std::string& path, const torch::Tensor& image) {
   auto pixels = image.scalar_type() == torch::kUInt8
                     ? image.contiguous()
                     : (image.to(torch::kFloat).clamp(0, 1) * 255).round().to(torch::kUInt8).contiguous();
-  const auto parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty()) std::filesystem::create_directories(parent);
-  png_image png;
-  std::memset(&png, 0, sizeof png);
-  png.version = PNG_IMAGE_VERSION;
-  png.width = static_cast<png_uint_32>(pixels.size(1));
-  png.height = static_cast<png_uint_32>(pixels.size(0));
-  png.format = PNG_FORMAT_GRAY;
-  if (!png_image_write_to_file(&png, path.c_str(), 0, pixels.data_ptr<uint8_t>(), 0, nullptr))
-    throw PngError(fmt::format("{}: cannot write PNG: {}", path, png.message));
+  try {
+    data::write_image_png(path, pixels.unsqueeze(0));  // [1, H, W]
+  } catch (const data::ImageError& e) {
+    throw PngError(e.what());
+  }
 }
 
 }  // namespace capsnet::viz
