@@ -36,7 +36,9 @@ print(json.dumps({
 }, indent=2))
 EOF
 "$CLI" export --checkpoint "$tmp/w.pt" --storage fp16 --probe 8 --card "$tmp/card.json" --out "$OUT/$NAME"
-cp "$tmp/card.json" "$OUT/card.json"
+# The card as stored in the file (export adds the class names, image fit and dataset to it).
+/usr/bin/python3 -c "import json, sys, torch; print(json.dumps(json.loads(torch.load(sys.argv[1])['card']), indent=2))" \
+  "$OUT/$NAME" > "$OUT/card.json"
 (cd "$OUT" && sha256sum "$NAME" > SHA256SUMS)
 cat "$OUT/card.json"
 cat "$OUT/SHA256SUMS"
