@@ -396,6 +396,19 @@ TEST(ImageFolderCliTest, FolderTrainEvalPredict) {
   EXPECT_EQ(j["examples"], 20);
   EXPECT_EQ(j["classes"].size(), 10u);
 
+  // --limit on a folder (rows sorted by class) samples across classes, not the first class only.
+  auto lim = testing::run_command(kCli + " eval --json --limit 10 --checkpoint " + run + "/checkpoint.pt --data " + folder);
+  ASSERT_EQ(lim.status, 0) << lim.output;
+  auto lj = nlohmann::json::parse(lines_of(lim.output).back());
+  EXPECT_EQ(lj["examples"], 10);
+  int classes_seen = 0;
+  for (const auto& row : lj["confusion"]) {
+    int64_t n_row = 0;
+    for (const auto& v : row) n_row += v.get<int64_t>();
+    classes_seen += n_row > 0;
+  }
+  EXPECT_GE(classes_seen, 3);
+
   const auto csv = dir / "out/predictions.csv";
   auto p = testing::run_command(kCli + " predict --checkpoint " + run + "/checkpoint.pt " + folder +
                                 "/test --format csv --pose --output " + csv);

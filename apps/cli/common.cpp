@@ -98,8 +98,16 @@ LabelledData load_labelled_data(const DataFlags& flags, bool train, bool test, i
                                      : fmt::format("{:g}% of each class held out, seed {}",
                                                    100 * options.test_fraction, options.split_seed),
                      d.channels, d.side, d.side, flags.folder.image_size > 0 ? flags.fit : "own size", seconds);
-  if (train) d.train = data::take(folder.train, train_limit);
-  if (test) d.test = data::take(folder.test, test_limit);
+  // A folder's rows are sorted by class, so "the first N" would be the first classes only: a limit
+  // keeps a seeded random N instead (in the folder's order).
+  auto subset = [&](const data::ImageSet& set, int64_t n) {
+    if (n <= 0 || n >= set.size()) return set;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(options.split_seed);
+    auto keep = std::get<0>(torch::randperm(set.size(), gen, torch::kLong).narrow(0, 0, n).sort());
+    return data::ImageSet{set.images.index_select(0, keep), set.labels.index_select(0, keep), set.class_names};
+  };
+  if (train) d.train = subset(folder.train, train_limit);
+  if (test) d.test = subset(folder.test, test_limit);
   return d;
 }
 
