@@ -36,6 +36,32 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+double forward_flops_per_image(const models::CapsNetConfig& c) {
+  const double conv1_side = static_cast<double>(c.image_size - c.conv1_kernel + 1);
+  const double grid = static_cast<double>(c.primary_grid());
+  const double children = static_cast<double>(c.num_primary_caps());
+  const double parents = static_cast<double>(c.num_classes), dd = static_cast<double>(c.digit_dim);
+  const double conv1 = 2 * conv1_side * conv1_side * static_cast<double>(c.conv1_channels) *
+                       static_cast<double>(c.conv1_kernel * c.conv1_kernel * c.image_channels);
+  const double primary = 2 * grid * grid * static_cast<double>(c.primary_types * c.primary_dim) *
+                         static_cast<double>(c.primary_kernel * c.primary_kernel * c.conv1_channels);
+  const double u_hat = 2 * children * parents * dd * static_cast<double>(c.primary_dim);
+  // Each iteration: s_j = sum_i c_ij u_hat_j|i and the agreement u_hat_j|i . v_j.
+  const double routing = 4 * children * parents * dd * static_cast<double>(c.routing_iterations);
+  const double pixels = static_cast<double>(c.image_size * c.image_size * c.image_channels);
+  const double decoder = c.reconstruction ? 2 * (parents * dd * 512 + 512 * 1024 + 1024 * pixels) : 0;
+  return conv1 + primary + u_hat + routing + decoder;
+}
+
+double gemm_gflops(torch::ScalarType dtype, int64_t n, int repeats) {
+  torch::NoGradGuard no_grad;
+  auto a = torch::randn({n, n}).to(dtype), b = torch::randn({n, n}).to(dtype);
+  auto c = torch::mm(a, b);  // warm-up: packing buffers, thread pool
+  double best = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < repeats; ++i) best = std::min(best, seconds([&] { c = torch::mm(a, b); }));
+  return 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) / best / 1e9;
+}
+
 double rss_mb() { return status_field_mb("VmRSS"); }
 double peak_rss_mb() { return status_field_mb("VmHWM"); }
 void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }

@@ -34,6 +34,17 @@ struct BenchResult {
 /// Trains (Adam, margin + reconstruction loss) and then infers on random images with random labels.
 BenchResult run_benchmark(const BenchOptions& options);
 
+/// Floating-point operations (2 per multiply-add) of one image's forward pass through a CapsNet of
+/// `config`: Conv1, the PrimaryCaps conv, the predictions u_hat, r routing iterations (weighted sum and
+/// agreement) and the decoder. A training step costs about 3x this (the backward pass computes input and
+/// weight gradients: two forward passes' worth); the squash, softmax and losses are negligible.
+double forward_flops_per_image(const models::CapsNetConfig& config);
+
+/// Sustained GFLOP/s of an n x n x n matrix product in `dtype` (kFloat or kBFloat16) on this process's
+/// threads, best of `repeats` after one warm-up: the machine's practical peak that `capsnet bench`
+/// reports its step throughput against.
+double gemm_gflops(torch::ScalarType dtype, int64_t n = 2048, int repeats = 5);
+
 /// Median of the values (mean of the middle two for an even count); throws on an empty list.
 double median(std::vector<double> values);
 

@@ -1,4 +1,4 @@
-// The only translation unit that includes httplib.h (a heavy header).
+// One of the two translation units that include httplib.h (a heavy header), with deadline_server.cpp.
 #include "apps/serve.h"
 
 #include <fmt/format.h>
@@ -10,6 +10,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+
+#include "apps/deadline_server.h"
 
 namespace capsnet::apps {
 namespace {
@@ -132,6 +134,12 @@ LiveViewerApi::LiveViewerApi(models::CapsNet model, ServeOptions options)
   if (options_.worker_threads < 1)
     throw std::invalid_argument(
         fmt::format("ServeOptions::worker_threads must be positive, got {}", options_.worker_threads));
+  for (const auto& [name, seconds] : {std::pair{"request_seconds", options_.request_seconds},
+                                      {"response_seconds", options_.response_seconds},
+                                      {"idle_seconds", options_.idle_seconds},
+                                      {"connection_seconds", options_.connection_seconds}})
+    if (!(seconds >= 0.001 && seconds <= 86400))
+      throw std::invalid_argument(fmt::format("ServeOptions::{} must be in [0.001, 86400], got {}", name, seconds));
   model_->eval();
 }
 
@@ -240,19 +248,27 @@ ApiResponse LiveViewerApi::metrics(const std::string& run) const {
 // LiveViewer
 
 struct LiveViewer::Server {
-  httplib::Server http;
+  explicit Server(ConnectionDeadlines deadlines) : http(deadlines) {}
+  DeadlineServer http;
 };
 
+namespace {
+
+ConnectionDeadlines deadlines_of(const ServeOptions& o) {
+  auto ms = [](double seconds) { return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)); };
+  return {ms(o.idle_seconds), ms(o.request_seconds), ms(o.response_seconds), ms(o.connection_seconds)};
+}
+
+}  // namespace
+
 LiveViewer::LiveViewer(models::CapsNet model, ServeOptions options)
-    : api_(std::move(model), std::move(options)), server_(std::make_unique<Server>()) {
+    : api_(std::move(model), std::move(options)), server_(std::make_unique<Server>(deadlines_of(api_.options()))) {
   auto& http = server_->http;
   const auto& opt = api_.options();
   const int threads = opt.worker_threads;
   http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
   http.set_payload_max_length(opt.max_body_bytes);
-  http.set_read_timeout(5, 0);
-  http.set_write_timeout(5, 0);
-  http.set_keep_alive_max_count(100);
+  http.set_keep_alive_max_count(100);  // read and write timeouts: the deadlines of DeadlineServer
   // httplib's default also sets SO_REUSEPORT, which lets a second server bind the same port and take
   // half the requests. SO_REUSEADDR alone restarts fast after a stop and refuses a busy port.
   http.set_socket_options([](socket_t sock) {
@@ -352,6 +368,8 @@ void LiveViewer::listen() {
 void LiveViewer::stop() { server_->http.stop(); }
 
 bool LiveViewer::running() const { return server_->http.is_running(); }
+
+int64_t LiveViewer::timed_out_connections() const { return server_->http.timed_out_connections(); }
 
 std::string LiveViewer::url() const {
   const auto& host = api_.options().host;

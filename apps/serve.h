@@ -32,6 +32,10 @@ struct ServeOptions {
   std::size_t max_metrics_bytes = 4 * 1024 * 1024;
   /// Worker threads answering requests (the model itself runs one request at a time).
   int worker_threads = 4;
+  /// Whole-request deadlines, in seconds, so that slow clients cannot hold the workers
+  /// (apps/deadline_server.h): request line + headers + body, taking the response, an idle
+  /// keep-alive connection, and the age after which a connection takes no new request.
+  double request_seconds = 10, response_seconds = 10, idle_seconds = 5, connection_seconds = 60;
   /// Shown on the page (e.g. the checkpoint path).
   std::string model_label;
   /// Name of each class (train::read_input_spec); empty: "0".."K-1".
@@ -108,6 +112,8 @@ class LiveViewer {
   bool running() const;
   /// "http://HOST:PORT/" of the bound server.
   std::string url() const;
+  /// Connections closed because a client missed a deadline (ServeOptions::request_seconds, ...).
+  int64_t timed_out_connections() const;
 
   LiveViewerApi& api() { return api_; }
 

@@ -105,6 +105,25 @@ TEST(BenchCliTest, RunsFusedReferenceAndPeerSideBySideAndWritesJsonLines) {
   const double fused = summary.at("median").at("fused").at("train_img_s").get<double>();
   const double peer = summary.at("median").at("peer").at("train_img_s").get<double>();
   EXPECT_NEAR(summary.at("ratios").at("fused/peer").at("train_speedup").get<double>(), fused / peer, 1e-9);
+  // Achieved GFLOP/s: 3 forward passes per trained image, against the GEMM probe of the same run.
+  const double gflop = summary.at("forward_gflop_per_image").get<double>();
+  EXPECT_NEAR(summary.at("gflops").at("fused").at("train").get<double>(), 3 * gflop * fused, 1e-6);
+  EXPECT_GT(summary.at("gemm_gflops").at("fp32").get<double>(), 0);
+  EXPECT_NE(r.output.find("achieved GFLOP/s"), std::string::npos) << r.output;
+}
+
+TEST(BenchmarkTest, ForwardFlopsOfThePaperModelAddUpByHand) {
+  // Conv1 2*20^2*256*81 + PrimaryCaps 2*6^2*256*(81*256) + u_hat 2*1152*10*16*8 + routing 4*1152*10*16*3
+  // + decoder 2*(160*512 + 512*1024 + 1024*784).
+  const double expected = 16588800.0 + 382205952.0 + 2949120.0 + 2211840.0 + 2818048.0;
+  EXPECT_DOUBLE_EQ(apps::forward_flops_per_image(models::CapsNetConfig{}), expected);
+  models::CapsNetConfig no_decoder;
+  no_decoder.reconstruction = false;
+  EXPECT_DOUBLE_EQ(apps::forward_flops_per_image(no_decoder), expected - 2818048.0);
+  // The probe measures something: a small product takes positive, finite time.
+  const double g = apps::gemm_gflops(torch::kFloat, 64, 2);
+  EXPECT_GT(g, 0);
+  EXPECT_TRUE(std::isfinite(g));
 }
 
 TEST(BenchCliTest, UnknownConfigurationAndMissingPythonAreClearErrors) {

@@ -203,6 +203,66 @@ TEST(LoopTest, ATimeBudgetStopsAfterTheStepThatSpendsItAndStillSavesAndEvaluates
   EXPECT_NE(log.str().find("stopping after step 1 of 50"), std::string::npos) << log.str();
 }
 
+TEST(LoopTest, OneCycleWarmsUpToThePeakThenAnnealsToNearZeroAndFixesItsLength) {
+  // The formula, against values written out by hand: lr/25 at the start, the peak at the end of the
+  // warm-up, half-way down the cosine at the middle of the descent, lr/1e4 at the last step.
+  train::LoopOptions o;
+  o.lr = 0.01;
+  o.lr_schedule = train::LrSchedule::kOneCycle;
+  o.warmup_fraction = 0.25;
+  const int64_t n = 101;  // t = step / 100
+  EXPECT_NEAR(o.learning_rate(0, n, 0), 0.01 / 25, 1e-15);
+  EXPECT_NEAR(o.learning_rate(10, n, 0), 0.0004 + (0.01 - 0.0004) * 0.4, 1e-15);
+  EXPECT_NEAR(o.learning_rate(25, n, 0), 0.01, 1e-15);
+  EXPECT_NEAR(o.learning_rate(62, n, 0), 1e-6 + (0.01 - 1e-6) * 0.5 * (1 + std::cos(M_PI * 37 / 75.0)), 1e-12);
+  EXPECT_NEAR(o.learning_rate(100, n, 0), 0.01 / 1e4, 1e-15);
+  for (int64_t s = 1; s < n; ++s) {
+    if (s <= 25) EXPECT_GT(o.learning_rate(s, n, 0), o.learning_rate(s - 1, n, 0)) << s;
+    else EXPECT_LT(o.learning_rate(s, n, 0), o.learning_rate(s - 1, n, 0)) << s;
+  }
+  // The exponential schedule ignores the step count: lr * decay^(epochs done).
+  o.lr_schedule = train::LrSchedule::kExponential;
+  o.lr_decay = 0.5;
+  EXPECT_NEAR(o.learning_rate(7, n, 2.0), 0.0025, 1e-15);
+
+  // Through the loop: each record's lr is the schedule's, and a resume that would stretch the cycle
+  // (another number of steps) is refused, while the same length resumes exactly.
+  TempDir dir;
+  std::ostringstream log;
+  RegressionTask a(10, true), b(10, true), c(10, true), d(10, true);
+  auto full = options(dir / "full");
+  full.lr_schedule = train::LrSchedule::kOneCycle;
+  full.max_steps = 9;
+  auto ra = train::run(a, full, log);
+  auto recs = records(full.out_dir, "train");
+  ASSERT_EQ(recs.size(), 9u);
+  for (int64_t s = 0; s < 9; ++s) EXPECT_NEAR(recs[s]["lr"].get<double>(), full.learning_rate(s, 9, 0), 1e-12) << s;
+  EXPECT_NEAR(recs[8]["lr"].get<double>(), 0.05 / 1e4, 1e-12);
+
+  auto part = full;
+  part.out_dir = dir / "part";
+  part.max_steps = 9;
+  part.max_seconds = 1e-9;  // stops after its first step, as an interrupted run would
+  auto rb = train::run(b, part, log);
+  ASSERT_EQ(rb.end_step, 1);
+  auto rest = full;
+  rest.out_dir = dir / "rest";
+  rest.resume = rb.checkpoint;
+  auto rc = train::run(c, rest, log);
+  ASSERT_EQ(rc.losses.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_EQ(rc.losses[i], ra.losses[i + 1]) << "step " << i + 1;
+
+  auto longer = rest;
+  longer.out_dir = dir / "longer";
+  longer.max_steps = 20;
+  try {
+    train::run(d, longer, log);
+    FAIL() << "a resume with another cycle length was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("schedule_steps"), std::string::npos) << e.what();
+  }
+}
+
 TEST(LoopTest, BadOptionsNameTheField) {
   TempDir dir;
   RegressionTask task(10, true);
@@ -221,6 +281,10 @@ TEST(LoopTest, BadOptionsNameTheField) {
   o = options(dir / "run");
   o.lr_decay = 1.5;
   expect_field(o, "lr_decay");
+  o = options(dir / "run");
+  o.warmup_fraction = 1;
+  expect_field(o, "warmup_fraction");
+  EXPECT_THROW(train::parse_lr_schedule("cosine"), std::invalid_argument);
   o = options(dir / "run");
   o.epochs = 0;
   expect_field(o, "nothing to do");

@@ -10,6 +10,11 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "capsnet/train/checkpoint.h"
 #include "apps/serve.h"
 #include "test_helpers.h"
@@ -261,6 +266,101 @@ TEST_F(ServeHttp, ARunFolderWithANonUtf8NameDoesNotBreakTheRunList) {
   EXPECT_EQ(r->status, 200) << r->body;
   auto names = body_of(r)["runs"];
   EXPECT_GE(names.size(), 3u) << r->body;  // mnist, ablation/r1 and the odd one, replaced characters and all
+}
+
+/// A raw TCP connection to 127.0.0.1:port (closed on destruction).
+struct RawConnection {
+  explicit RawConnection(int port) {
+    fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  }
+  ~RawConnection() { ::close(fd); }
+  bool send_text(const std::string& s) { return ::send(fd, s.data(), s.size(), MSG_NOSIGNAL) == ssize_t(s.size()); }
+  int fd = -1;
+  bool connected = false;
+};
+
+/// Sends `head`, then one more byte every `gap` until the server closes the connection (a send fails or
+/// the server answers and hangs up) or `give_up` passes. Returns seconds from the first byte to the close
+/// (or give_up's length if it never closed) and the bytes the server sent.
+std::pair<double, std::string> trickle(int port, const std::string& head, std::chrono::milliseconds gap,
+                                       std::chrono::seconds give_up) {
+  RawConnection c(port);
+  EXPECT_TRUE(c.connected);
+  const auto start = std::chrono::steady_clock::now();
+  std::string answer;
+  c.send_text(head);
+  while (std::chrono::steady_clock::now() - start < give_up) {
+    std::this_thread::sleep_for(gap);
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::recv(c.fd, buf, sizeof(buf), MSG_DONTWAIT)) > 0) answer.append(buf, static_cast<size_t>(n));
+    if (n == 0 || !c.send_text("X")) break;  // closed by the server
+  }
+  return {std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), answer};
+}
+
+TEST(ServeDeadlines, SlowClientsAreCutOffAtTheRequestDeadlineAndDoNotStarveOthers) {
+  torch::manual_seed(3);
+  models::CapsNet model(testing::tiny_config());
+  apps::ServeOptions options;
+  options.port = 0;
+  options.runs_dir = "";
+  options.worker_threads = 2;
+  options.request_seconds = 1;  // header + body, whole request
+  apps::LiveViewer viewer(model, options);
+  const int port = viewer.bind();
+  std::thread server([&] { viewer.listen(); });
+  while (!viewer.running()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+
+  // Two slowloris clients take both workers: headers one byte every 200 ms (each byte well inside
+  // any per-recv timeout), and a body dribbled after a complete header.
+  const std::string slow_headers = "GET /api/info HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ";
+  const std::string slow_body =
+      "POST /api/predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+      "Content-Length: 1000\r\n\r\n[";
+  std::pair<double, std::string> headers_result, body_result;
+  std::thread a([&] { headers_result = trickle(port, slow_headers, std::chrono::milliseconds(200), std::chrono::seconds(8)); });
+  std::thread b([&] { body_result = trickle(port, slow_body, std::chrono::milliseconds(200), std::chrono::seconds(8)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // both are being served now
+
+  // A well-behaved client still gets its answer, within a deadline's length.
+  const auto t0 = std::chrono::steady_clock::now();
+  httplib::Client client("127.0.0.1", port);
+  client.set_read_timeout(10, 0);
+  auto r = client.Get("/api/info");
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  a.join();
+  b.join();
+  ASSERT_TRUE(r) << httplib::to_string(r.error());
+  EXPECT_EQ(r->status, 200);
+  EXPECT_LT(waited, 3.0);
+
+  // Each slow client was closed about one deadline after its first byte, not after 8 s of trickling.
+  for (const auto* res : {&headers_result, &body_result}) {
+    EXPECT_GE(res->first, 0.9);
+    EXPECT_LT(res->first, 3.0);
+    EXPECT_EQ(res->second.find("200 OK"), std::string::npos) << res->second;
+  }
+  EXPECT_EQ(viewer.timed_out_connections(), 2);
+  viewer.stop();
+  server.join();
+}
+
+TEST(ServeDeadlines, BadDeadlinesAreRefusedByName) {
+  models::CapsNet model(testing::tiny_config());
+  apps::ServeOptions options;
+  options.request_seconds = 0;
+  try {
+    apps::LiveViewerApi api(model, options);
+    FAIL() << "request_seconds = 0 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("request_seconds"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -122,6 +122,16 @@ int run_all(const Flags& f) {
     throw std::runtime_error(fmt::format("bench: the peer needs Debian's python3 with python3-torch at {} "
                                          "(--python), or leave it out with --configs fused,reference",
                                          f.python));
+  // The machine's practical peak in this run's conditions: the same threads, the same moment.
+  const bool bf16 = nn::cpu_has_native_bf16();
+  const double peak_fp32 = apps::gemm_gflops(torch::kFloat);
+  const double peak_bf16 = bf16 ? apps::gemm_gflops(torch::kBFloat16) : 0;
+  std::cerr << fmt::format("bench: GEMM probe (2048^3, best of 5): fp32 {:.0f} GFLOP/s{}\n", peak_fp32,
+                           bf16 ? fmt::format(", bf16 {:.0f} GFLOP/s", peak_bf16) : std::string());
+  models::CapsNetConfig model;
+  model.routing_iterations = f.routing_iters;
+  const double flops = apps::forward_flops_per_image(model);  // the peer builds the same network
+
   std::map<std::string, std::map<std::string, std::vector<double>>> samples;  // config -> metric -> values
   std::cerr << fmt::format("bench: batch {}, {} timed steps, {} threads, {} repeat(s) of [{}]\n", f.batch_size,
                            f.steps, at::get_num_threads(), f.repeats, fmt::join(f.configs, ", "));
@@ -137,8 +147,12 @@ int run_all(const Flags& f) {
       if (jsonl) *jsonl << j.dump() << '\n';
     }
 
-  nlohmann::json summary = {{"summary", true}, {"repeats", f.repeats}, {"batch_size", f.batch_size},
-                            {"threads", at::get_num_threads()}};
+  nlohmann::json summary = {{"summary", true},
+                            {"repeats", f.repeats},
+                            {"batch_size", f.batch_size},
+                            {"threads", at::get_num_threads()},
+                            {"gemm_gflops", {{"fp32", peak_fp32}, {"bf16", peak_bf16}}},
+                            {"forward_gflop_per_image", flops / 1e9}};
   std::cout << fmt::format("\nmedians of {} run(s), batch {}, {} threads:\n", f.repeats, f.batch_size,
                            at::get_num_threads());
   std::cout << fmt::format("{:<50} {:>11} {:>11} {:>11} {:>13} {:>13}\n", "configuration", "train img/s",
@@ -149,6 +163,20 @@ int run_all(const Flags& f) {
     std::cout << fmt::format("{:<50} {:>11.1f} {:>11.1f} {:>11.2f} {:>13.0f} {:>13.0f}\n", kDescriptions.at(config),
                              median(s["train_img_s"]), median(s["infer_img_s"]), median(s["latency_b1_ms"]),
                              median(s["train_peak_rss_mb"]), median(s["train_rss_growth_mb"]));
+  }
+  // Achieved arithmetic rate: training = 3 forward passes' FLOPs per image (forward_flops_per_image).
+  std::cout << fmt::format("\nachieved GFLOP/s ({:.3f} GFLOP per image forward, x3 for a training step) and share "
+                           "of the GEMM probe of the configuration's compute type:\n",
+                           flops / 1e9);
+  std::cout << fmt::format("{:<50} {:>11} {:>8} {:>11} {:>8}\n", "configuration", "train", "% peak", "infer",
+                           "% peak");
+  for (const auto& config : f.configs) {
+    const double peak = config == "fused-bf16" ? peak_bf16 : peak_fp32;
+    const double train = 3 * flops * median(samples[config]["train_img_s"]) / 1e9;
+    const double infer = flops * median(samples[config]["infer_img_s"]) / 1e9;
+    summary["gflops"][config] = {{"train", train}, {"infer", infer}, {"peak", peak}};
+    std::cout << fmt::format("{:<50} {:>11.1f} {:>7.1f}% {:>11.1f} {:>7.1f}%\n", kDescriptions.at(config), train,
+                             100 * train / peak, infer, 100 * infer / peak);
   }
   auto ratios = [&](const std::string& a, const std::string& b) {
     if (!samples.count(a) || !samples.count(b)) return;

@@ -51,6 +51,7 @@ const std::map<std::string, Range>& limits() {
       {"--repeats", {1, 1000, true}},          {"--routing", {1, 100, true}},          {"--dist-timeout", {0.001, 86400, false}},
       {"--image-size", {0, 1024, true}},       {"--test-fraction", {0, 0.99, false}},
       {"--split-seed", {0, kI63, true}},       {"--side", {1, 1024, true}},
+      {"--warmup-fraction", {0, 0.99, false}}, {"--request-timeout", {0.001, 86400, false}},
   };
   return table;
 }

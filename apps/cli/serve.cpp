@@ -37,6 +37,11 @@ Subcommand add_serve(CLI::App& root) {
   app->add_option("--max-body", f->serve.max_body_bytes, "Largest accepted request body, bytes (larger: 413)")
       ->check(CLI::Range(1024, 16 * 1024 * 1024))
       ->capture_default_str();
+  app->add_option("--request-timeout", f->serve.request_seconds,
+                  "Seconds a client has to send a whole request (headers + body) and, separately, to take the "
+                  "response; slower connections are closed")
+      ->check(CLI::Range(0.001, 86400.0))
+      ->capture_default_str();
   app->add_option("--threads", f->threads, "Intra-op threads for the model (0 = all cores)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
@@ -53,6 +58,7 @@ Subcommand add_serve(CLI::App& root) {
             f->serve.model_label = f->checkpoint;
             f->serve.class_names = train::read_input_spec(f->checkpoint).class_names;
 
+            f->serve.response_seconds = f->serve.request_seconds;
             // SIGINT/SIGTERM are blocked in every thread (the server's workers inherit the mask) and
             // taken by one waiter, which stops the server from outside a signal handler.
             sigset_t stop_signals;

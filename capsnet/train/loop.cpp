@@ -111,11 +111,35 @@ double seconds_since(Clock::time_point start) { return std::chrono::duration<dou
 std::string checkpoint_path(const std::string& out_dir) { return out_dir + "/checkpoint.pt"; }
 std::string metrics_path(const std::string& out_dir) { return out_dir + "/metrics.jsonl"; }
 
+const char* lr_schedule_name(LrSchedule schedule) {
+  return schedule == LrSchedule::kOneCycle ? "one-cycle" : "exponential";
+}
+
+LrSchedule parse_lr_schedule(const std::string& name) {
+  if (name == "exponential") return LrSchedule::kExponential;
+  if (name == "one-cycle") return LrSchedule::kOneCycle;
+  throw std::invalid_argument(fmt::format("lr_schedule must be exponential or one-cycle, got '{}'", name));
+}
+
+double LoopOptions::learning_rate(int64_t step, int64_t total_steps, double epochs_done) const {
+  if (lr_schedule == LrSchedule::kExponential) return lr * std::pow(lr_decay, epochs_done);
+  // One cycle (Smith & Topin 2017): a short climb lets Adam settle before the large rate, the cosine
+  // descent to ~0 ends the run in a sharp minimum whatever its length. Position in [0, 1]:
+  const double t = total_steps > 1 ? static_cast<double>(step) / static_cast<double>(total_steps - 1) : 1.0;
+  constexpr double kStartDiv = 25, kEndDiv = 1e4;  // lr / 25 at the start, lr / 1e4 at the end
+  const double start = lr / kStartDiv, end = lr / kEndDiv;
+  if (t < warmup_fraction) return start + (lr - start) * t / warmup_fraction;
+  const double u = warmup_fraction < 1 ? (t - warmup_fraction) / (1 - warmup_fraction) : 1.0;
+  return end + (lr - end) * 0.5 * (1 + std::cos(M_PI * u));
+}
+
 void LoopOptions::validate() const {
   auto fail = [](const std::string& msg) { throw std::invalid_argument(msg); };
   if (batch_size <= 0) fail(fmt::format("batch_size must be positive, got {}", batch_size));
   if (!(lr > 0) || !std::isfinite(lr)) fail(fmt::format("lr must be a positive number, got {}", lr));
   if (!(lr_decay > 0 && lr_decay <= 1)) fail(fmt::format("lr_decay must be in (0, 1], got {}", lr_decay));
+  if (!(warmup_fraction >= 0 && warmup_fraction < 1))
+    fail(fmt::format("warmup_fraction must be in [0, 1), got {}", warmup_fraction));
   if (!(weight_decay >= 0) || !std::isfinite(weight_decay))
     fail(fmt::format("weight_decay must be >= 0, got {}", weight_decay));
   if (epochs < 0) fail(fmt::format("epochs must be >= 0, got {}", epochs));
@@ -133,6 +157,7 @@ nlohmann::json LoopOptions::to_json() const {
           {"batch_size", batch_size},
           {"lr", lr},
           {"lr_decay", lr_decay},
+          {"lr_schedule", lr_schedule_name(lr_schedule)},
           {"weight_decay", weight_decay},
           {"seed", seed},
           {"checkpoint_every", checkpoint_every},
@@ -162,7 +187,14 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
   auto options_json = options.to_json();
   options_json["task"] = task.name();
   const auto data_json = task.data_config();
-  std::vector<std::string> resume_keys{"task", "batch_size", "lr", "lr_decay", "weight_decay", "seed"};
+  std::vector<std::string> resume_keys{"task", "batch_size", "lr", "lr_decay", "lr_schedule", "weight_decay", "seed"};
+  const int64_t total_steps = options.max_steps > 0 ? options.max_steps : schedule.total_steps(options.epochs);
+  if (options.lr_schedule == LrSchedule::kOneCycle) {
+    // The cycle spans the whole run: resuming with another length would change every later rate.
+    options_json["warmup_fraction"] = options.warmup_fraction;
+    options_json["schedule_steps"] = total_steps;
+    resume_keys.insert(resume_keys.end(), {"warmup_fraction", "schedule_steps"});
+  }
   for (const auto& [key, value] : data_json.items()) {
     options_json[key] = value;
     resume_keys.push_back(key);
@@ -177,7 +209,10 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
   int64_t step = 0;
   if (!options.resume.empty()) {
     auto meta = read_checkpoint_meta(options.resume);
-    check_resume_compatible(meta.train_options, options_json, resume_keys, options.resume);
+    auto saved_options = meta.train_options;
+    if (saved_options.is_object() && !saved_options.contains("lr_schedule"))
+      saved_options["lr_schedule"] = "exponential";  // checkpoints from before the option had only this one
+    check_resume_compatible(saved_options, options_json, resume_keys, options.resume);
     step = load_checkpoint(options.resume, *model, &optimizer, [&](const nlohmann::json& saved) {
              return task.config_matches(saved);
            }).step;
@@ -192,7 +227,6 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
     reducer.emplace(group, model->parameters());
   }
 
-  const int64_t total_steps = options.max_steps > 0 ? options.max_steps : schedule.total_steps(options.epochs);
   const int64_t total_epochs = schedule.epoch_of(total_steps - 1) + 1;
   JsonLinesWriter metrics = lead ? JsonLinesWriter(metrics_path(options.out_dir), /*truncate=*/options.resume.empty())
                                  : JsonLinesWriter();  // not open: writes nothing
@@ -274,7 +308,7 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
       rows = global.rows(lo, hi);
     }
 
-    const double lr = options.lr * std::pow(options.lr_decay, schedule.epochs_done(step));
+    const double lr = options.learning_rate(step, total_steps, schedule.epochs_done(step));
     for (auto& g : optimizer.param_groups()) static_cast<torch::optim::AdamOptions&>(g.options()).lr(lr);
 
     auto loss = task.loss(rows);

@@ -91,6 +91,16 @@ class Task {
   virtual std::optional<Evaluation> evaluate(std::ostream* /*progress*/) { return std::nullopt; }
 };
 
+/// How the learning rate moves over a run.
+enum class LrSchedule {
+  kExponential,  // lr * lr_decay^(epochs done), applied smoothly per step: the paper's
+  kOneCycle,     // linear warm-up from lr / 25 to lr over warmup_fraction of the run, then cosine to ~0
+};
+
+/// "exponential" | "one-cycle"; parse_lr_schedule throws std::invalid_argument naming the text.
+const char* lr_schedule_name(LrSchedule schedule);
+LrSchedule parse_lr_schedule(const std::string& name);
+
 struct LoopOptions {
   std::string out_dir = "runs/train";  // checkpoint.pt and metrics.jsonl go here
   int64_t epochs = 1;
@@ -99,6 +109,8 @@ struct LoopOptions {
   double lr = 1e-3;        // Adam
   double lr_decay = 0.96;  // multiplied into the learning rate once per epoch, applied smoothly per step
   double weight_decay = 0;  // Adam's L2 term
+  LrSchedule lr_schedule = LrSchedule::kExponential;
+  double warmup_fraction = 0.25;  // one-cycle only: share of the run spent raising the rate
   uint64_t seed = 1;
   int64_t checkpoint_every = 500;  // steps; 0 = only at epoch ends and at the end
   int64_t log_every = 50;          // steps between "train" metric records
@@ -112,6 +124,9 @@ struct LoopOptions {
   void validate() const;
   /// The options that shape the run (stored in checkpoints and the "start" record).
   nlohmann::json to_json() const;
+  /// The learning rate of step `step` (0-based) of a run of `total_steps`; `epochs_done` is the
+  /// fraction of epochs completed before it (the exponential schedule's exponent).
+  double learning_rate(int64_t step, int64_t total_steps, double epochs_done) const;
 };
 
 struct LoopResult {

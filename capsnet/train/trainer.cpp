@@ -79,6 +79,8 @@ LoopOptions TrainOptions::loop_options() const {
   l.batch_size = batch_size;
   l.lr = lr;
   l.lr_decay = lr_decay;
+  l.lr_schedule = lr_schedule;
+  l.warmup_fraction = warmup_fraction;
   l.seed = seed;
   l.checkpoint_every = checkpoint_every;
   l.log_every = log_every;

@@ -27,6 +27,8 @@ struct TrainOptions {
   int64_t batch_size = 100;
   double lr = 1e-3;
   double lr_decay = 0.96;     // multiplied into the learning rate once per epoch, applied smoothly per step
+  LrSchedule lr_schedule = LrSchedule::kExponential;  // one-cycle: lr is the peak (loop.h)
+  double warmup_fraction = 0.25;  // one-cycle only
   int64_t max_shift = 2;      // random translation, pixels in each direction
   uint64_t seed = 1;
   int64_t checkpoint_every = 500;  // steps; 0 = only at epoch ends and at the end
