@@ -16,6 +16,7 @@
 #include "capsnet/data/idx.h"
 #include "capsnet/data/mnist.h"
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/evaluate.h"
 #include "capsnet/train/metrics.h"
 #include "apps/report.h"
 #include "test_helpers.h"
@@ -268,6 +269,49 @@ TEST_F(ReliabilityCli, NumericFlagsOutsideTheirDocumentedRangeAreRefusedBeforeUs
     EXPECT_NE(r.status, 0) << flags << "\n" << r.output;
     expect_contains(r.output, phrase);
     EXPECT_FALSE(fs::exists(*dir_ / "never/metrics.jsonl")) << flags;
+  }
+}
+
+TEST_F(ReliabilityCli, PredictInSmallBatchesAnswersExactlyAsInOneBatch) {
+  // Memory is bounded by --batch-size because predict decodes, runs and writes one batch at a time;
+  // the answers must not depend on where the batches split.
+  ASSERT_EQ(first_.status, 0) << first_.output;
+  const auto images = data_ + "/t10k-images-idx3-ubyte";
+  const auto predict = kCli + " predict --checkpoint " + run_ + "/checkpoint.pt --format csv --pose " + images;
+  auto small = run_command(predict + " --batch-size 3");
+  auto whole = run_command(predict + " --batch-size 256");
+  ASSERT_EQ(small.status, 0) << small.output;
+  ASSERT_EQ(whole.status, 0) << whole.output;
+  EXPECT_EQ(small.output, whole.output);
+  int rows = 0;
+  for (char c : whole.output) rows += c == '\n';
+  EXPECT_EQ(rows, 1 + 16) << whole.output;  // the header and one row per test image
+}
+
+TEST_F(ReliabilityCli, ProcessAndThreadCountsBeyondTheMachineAreRefusedOrIgnoredWithANotice) {
+  // 64 processes pass the flag's range but not this machine's cores or memory (checked before any
+  // process starts, so nothing is written).
+  auto r = run_command(train_into(*dir_ / "nproc", "--nproc 64"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  expect_contains(r.output, "--nproc 64");
+  EXPECT_FALSE(fs::exists(*dir_ / "nproc/metrics.jsonl"));
+  // CAPSNET_THREADS outside 0..256 is ignored with a notice, and the command still runs.
+  r = run_command("CAPSNET_THREADS=100000 " + train_into(*dir_ / "threads", ""));
+  EXPECT_EQ(r.status, 0) << r.output;
+  expect_contains(r.output, "ignoring CAPSNET_THREADS=100000");
+}
+
+TEST(Reliability, EvaluatingAModelWithFewerClassesThanTheLabelsSaysSo) {
+  auto config = testing::tiny_config();  // 10 classes
+  models::CapsNet model(config);
+  data::ImageSet set{torch::zeros({4, config.image_size, config.image_size}, torch::kUInt8),
+                     torch::tensor({0, 3, 12, 1}, torch::kLong)};
+  try {
+    train::evaluate(model, set, 2);
+    FAIL() << "labels up to 12 accepted by a 10-class model";
+  } catch (const std::invalid_argument& e) {
+    expect_contains(e.what(), "labels 0..12");
+    expect_contains(e.what(), "10 classes");
   }
 }
 
