@@ -122,7 +122,9 @@ TEST(MultiMnistTest, EachSourceDigitComesFirstOncePerRoundInANewOrder) {
 
 TEST(MultiMnistTest, CompositeIsThePixelwiseMaxOfTheTwoShiftedDigits) {
   auto source = full_frame_digits(40);
-  MultiMnist gen(source, 3);
+  data::MultiMnistOptions max_overlay;
+  max_overlay.overlay = data::Overlay::kMax;
+  MultiMnist gen(source, 3, max_overlay);
   auto b = gen.generate(0, 64);
   EXPECT_TRUE(torch::equal(b.images, std::get<0>(b.digits.max(1))));
   for (int64_t n : {0, 5, 63}) {
@@ -135,6 +137,58 @@ TEST(MultiMnistTest, CompositeIsThePixelwiseMaxOfTheTwoShiftedDigits) {
       EXPECT_TRUE(torch::allclose(e.digits[d], expected)) << "example " << n << " digit " << d;
     }
   }
+}
+
+// The authors' generator adds the two uint8 digits and clips at 255: on [0, 1] floats clamp(a + b, 0, 1).
+TEST(MultiMnistTest, AddClipOverlayIsTheClippedSumAndDiffersFromMaxWhereBothHaveInk) {
+  auto source = testing::synthetic_set(40, 28, 5);
+  EXPECT_EQ(data::MultiMnistOptions{}.overlay, data::Overlay::kAddClip);  // the default is the authors'
+  MultiMnist add(source, 3);
+  data::MultiMnistOptions max_options;
+  max_options.overlay = data::Overlay::kMax;
+  MultiMnist max(source, 3, max_options);
+  auto a = add.generate(0, 64), m = max.generate(0, 64);
+  // The overlay changes the composite only: the same pairs, shifts and single digits.
+  EXPECT_TRUE(torch::equal(a.digits, m.digits));
+  EXPECT_TRUE(torch::equal(a.labels, m.labels));
+  auto d0 = a.digits.select(1, 0), d1 = a.digits.select(1, 1);  // [B, 1, S, S]
+  EXPECT_TRUE(torch::equal(a.images, (d0 + d1).clamp(0, 1)));
+  EXPECT_TRUE(torch::equal(m.images, torch::maximum(d0, d1)));  // max mode: the pre-option composite
+  // Where only one digit has ink the two overlays agree; where both do, add is brighter unless the
+  // max already saturates (then both are 1).
+  auto both = (d0 > 0) & (d1 > 0), one = (d0 > 0) ^ (d1 > 0);
+  ASSERT_GT(both.sum().item<int64_t>(), 100);  // strokes do cross in 64 pairs
+  EXPECT_TRUE(torch::equal(a.images.masked_select(one), m.images.masked_select(one)));
+  auto diff = (a.images - m.images).masked_select(both);
+  EXPECT_GE(diff.min().item<float>(), 0.f);
+  const auto unsaturated = m.images.masked_select(both) < 1;
+  ASSERT_GT(unsaturated.sum().item<int64_t>(), 0);
+  EXPECT_GT(diff.masked_select(unsaturated).min().item<float>(), 0.f);
+  EXPECT_LE(a.images.max().item<float>(), 1.f);
+  // example(n) uses the same overlay as generate().
+  auto e = add.example(7);
+  auto dsum = e.digits.sum(0).clamp_max(1);
+  EXPECT_TRUE(torch::equal(e.image, dsum));
+}
+
+TEST(MultiMnistTest, BothOverlaysAreAPureFunctionOfSeedAndIndex) {
+  auto source = testing::synthetic_set(40, 28, 5);
+  for (auto overlay : {data::Overlay::kAddClip, data::Overlay::kMax}) {
+    data::MultiMnistOptions o;
+    o.overlay = overlay;
+    MultiMnist g1(source, 11, o), g2(source, 11, o), other(source, 12, o);
+    auto a = g1.generate(5, 20), b = g2.generate(5, 20);
+    EXPECT_TRUE(torch::equal(a.images, b.images)) << data::overlay_name(overlay);
+    EXPECT_TRUE(torch::equal(a.images.select(0, 3), g1.example(8).image.unsqueeze(0))) << data::overlay_name(overlay);
+    EXPECT_FALSE(torch::equal(a.images, other.generate(5, 20).images)) << data::overlay_name(overlay);
+  }
+  EXPECT_EQ(data::parse_overlay("add"), data::Overlay::kAddClip);
+  EXPECT_EQ(data::parse_overlay("max"), data::Overlay::kMax);
+  EXPECT_STREQ(data::overlay_name(data::Overlay::kAddClip), "add");
+  EXPECT_NE(error_of([] { data::parse_overlay("sum"); }).find("'add' or 'max'"), std::string::npos);
+  data::MultiMnistOptions bad;
+  bad.overlay = static_cast<data::Overlay>(7);
+  EXPECT_NE(error_of([&] { MultiMnist g(source, 1, bad); }).find("overlay"), std::string::npos);
 }
 
 TEST(MultiMnistTest, ShiftsStayWithinFourPixelsAndNoInkLeavesTheCanvas) {
@@ -399,6 +453,45 @@ TEST(MultiMnistTrainTest, ResumeReproducesTheUninterruptedRunExactly) {
             std::string::npos);
 }
 
+// The checkpoint records the overlay in its train_generator; checkpoints from before the option have
+// no key and were trained with max, which is what a max run still writes, so they resume with max only.
+TEST(MultiMnistTrainTest, ResumeWithAnotherOverlayIsRefusedAndOldCheckpointsReadAsMax) {
+  OneThread one_thread;
+  TempDir dir;
+  std::ostringstream log;
+  auto source = testing::synthetic_set(200, 8, 1);
+  data::MultiMnistOptions add_options{2, 2}, max_options{2, 2};
+  max_options.overlay = data::Overlay::kMax;
+  MultiMnist add_pairs(source, 1, add_options), max_pairs(source, 1, max_options);
+  auto options = [&](const std::string& out, int64_t steps, const std::string& resume) {
+    train::MultiMnistTrainOptions o;
+    o.model = testing::tiny_config();
+    o.out_dir = dir / out;
+    o.steps = steps;
+    o.batch_size = 4;
+    o.test_size = 0;
+    o.progress = false;
+    o.resume = resume;
+    return o;
+  };
+  auto with_add = train::train_multimnist(options("add", 1, ""), add_pairs, nullptr, log);
+  auto with_max = train::train_multimnist(options("max", 1, ""), max_pairs, nullptr, log);
+  const auto add_meta = train::read_checkpoint_meta(with_add.checkpoint);
+  const auto max_meta = train::read_checkpoint_meta(with_max.checkpoint);
+  EXPECT_EQ(add_meta.train_options.at("train_generator").at("overlay"), "add");
+  EXPECT_FALSE(max_meta.train_options.at("train_generator").contains("overlay"));  // the old format
+  EXPECT_EQ(train::saved_overlay(add_meta.train_options), data::Overlay::kAddClip);
+  EXPECT_EQ(train::saved_overlay(max_meta.train_options), data::Overlay::kMax);
+  EXPECT_EQ(train::saved_overlay(nlohmann::json::object()), data::Overlay::kMax);
+
+  auto refused = error_of([&] { train::train_multimnist(options("r1", 2, with_add.checkpoint), max_pairs, nullptr, log); });
+  EXPECT_NE(refused.find("train_generator"), std::string::npos) << refused;
+  refused = error_of([&] { train::train_multimnist(options("r2", 2, with_max.checkpoint), add_pairs, nullptr, log); });
+  EXPECT_NE(refused.find("train_generator"), std::string::npos) << refused;
+  EXPECT_EQ(train::train_multimnist(options("r3", 2, with_max.checkpoint), max_pairs, nullptr, log).steps, 2);
+  EXPECT_EQ(train::train_multimnist(options("r4", 2, with_add.checkpoint), add_pairs, nullptr, log).steps, 2);
+}
+
 TEST(MultiMnistVizTest, PanelAndFigureHaveTheDocumentedSizeAndDecode) {
   OneThread one_thread;
   auto image = torch::rand({36, 36}), recs = torch::rand({2, 36, 36});
@@ -476,6 +569,20 @@ TEST(MultiMnistCliTest, TrainThenEvalOnlyOnGeneratedIdxFiles) {
   auto wrong = testing::run_command(cli + " --checkpoint " + out + "/checkpoint.pt");
   EXPECT_EQ(wrong.status, 1);
   EXPECT_NE(wrong.output.find("only read with --eval-only"), std::string::npos) << wrong.output;
+  EXPECT_EQ(j.at("overlay"), "add");  // the default, the authors' overlay
+  EXPECT_EQ(k.at("overlay"), "add");  // --eval-only takes the checkpoint's
+
+  auto foo = testing::run_command(cli + " --steps 1 --overlay foo");
+  EXPECT_NE(foo.status, 0);
+  EXPECT_NE(foo.output.find("--overlay"), std::string::npos) << foo.output;
+  EXPECT_NE(foo.output.find("foo"), std::string::npos) << foo.output;
+  // Resuming the add-overlay checkpoint on max pairs is refused, naming the generator.
+  auto resumed = testing::run_command(std::string(CAPSNET_CLI) + " multimnist --data " + data_dir + " --out " + out +
+                                      "2 --test-size 20 --conv1-channels 4 --primary-types 2 --no-progress "
+                                      "--threads 1 --steps 3 --batch-size 4 --overlay max --resume " + out +
+                                      "/checkpoint.pt --figure-correct 0 --figure-wrong 0");
+  EXPECT_NE(resumed.status, 0);
+  EXPECT_NE(resumed.output.find("train_generator"), std::string::npos) << resumed.output;
 }
 
 }  // namespace

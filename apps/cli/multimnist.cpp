@@ -33,6 +33,8 @@ struct Flags {
   std::string checkpoint;
   uint64_t test_seed = 1001;
   bool eval_only = false;
+  std::string overlay = "add";  // add | max (data::parse_overlay)
+  bool overlay_given = false;   // --overlay on the command line (else --eval-only takes the checkpoint's)
   int64_t figure_correct = 9, figure_wrong = 3, figure_columns = 3;
   LoopFlags loop;
 };
@@ -43,7 +45,8 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
   const auto t_start = Clock::now();
   auto* f = &flags;
   auto& o = f->o;
-  const data::MultiMnistOptions gen_options;  // the paper's: 28x28 padded to 36x36, shifts up to 4 px
+  data::MultiMnistOptions gen_options;  // the paper's: 28x28 padded to 36x36, shifts up to 4 px
+  gen_options.overlay = data::parse_overlay(f->overlay);
   models::CapsNet model{nullptr};
   std::optional<train::MultiMnistTrainResult> trained;
   nlohmann::json summary = {{"task", "multimnist"}, {"test_seed", f->test_seed}};
@@ -65,6 +68,8 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
     summary["batch_size"] = batch;
     summary["images_seen"] = meta.step * batch;
     summary["train_seed"] = meta.train_options.value("seed", uint64_t{0});
+    // Test on pairs made like the training pairs unless --overlay asks for the other overlay.
+    if (!f->overlay_given) gen_options.overlay = train::saved_overlay(meta.train_options);
     std::cout << fmt::format("loaded {} (step {}, {} training pairs seen)\n", path, meta.step, meta.step * batch);
   }
 
@@ -93,6 +98,7 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
                                       o.progress ? &std::cerr : nullptr);
   }
   const auto& r = *eval;
+  summary["overlay"] = data::overlay_name(gen_options.overlay);
   summary["model"] = model->config.to_json();
   summary["parameters"] = models::count_parameters(*model);
   summary["test_examples"] = r.examples;
@@ -160,6 +166,11 @@ Subcommand add_multimnist(CLI::App& root) {
       ->capture_default_str();
   app->add_option("--test-seed", f->test_seed, "Seed of the test pairs (fixed, so runs share one test set)")
       ->capture_default_str();
+  app->add_option("--overlay", f->overlay,
+                  "Composite of the two digits: add = min(a + b, 1), the authors' generator; max = pixel-wise max "
+                  "(--eval-only default: the checkpoint's)")
+      ->check(CLI::IsMember({"add", "max"}))
+      ->capture_default_str();
   app->add_option("--routing-iters", f->o.model.routing_iterations, "Dynamic routing iterations r")
       ->check(CLI::Range(1, 100))
       ->capture_default_str();
@@ -187,8 +198,9 @@ Subcommand add_multimnist(CLI::App& root) {
   add_loop_flags(*app, f->loop);
 
   return {
-      app, [f]() {
+      app, [f, app]() {
         auto& o = f->o;
+        f->overlay_given = app->get_option("--overlay")->count() > 0;
         o.progress = !f->loop.no_progress;
         o.resume = f->loop.resume;
         if (!f->checkpoint.empty() && !f->eval_only)

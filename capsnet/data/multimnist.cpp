@@ -79,6 +79,20 @@ BoxOverlap overlap_of(const Box& a, const Box& b) {
 
 }  // namespace
 
+const char* overlay_name(Overlay overlay) {
+  switch (overlay) {
+    case Overlay::kAddClip: return "add";
+    case Overlay::kMax: return "max";
+  }
+  throw std::invalid_argument(fmt::format("MultiMnist: unknown overlay {}", static_cast<int>(overlay)));
+}
+
+Overlay parse_overlay(const std::string& name) {
+  if (name == "add") return Overlay::kAddClip;
+  if (name == "max") return Overlay::kMax;
+  throw std::invalid_argument(fmt::format("MultiMnist: overlay must be 'add' or 'max', got '{}'", name));
+}
+
 MultiMnist::MultiMnist(ImageSet source, uint64_t seed, MultiMnistOptions options)
     : source_(std::move(source)), seed_(seed), options_(options) {
   const auto& images = source_.images;
@@ -97,6 +111,7 @@ MultiMnist::MultiMnist(ImageSet source, uint64_t seed, MultiMnistOptions options
     throw std::invalid_argument(fmt::format(
         "MultiMnist: max_shift must be in [0, pad = {}] so that no ink leaves the canvas, got {}", options_.pad,
         options_.max_shift));
+  static_cast<void>(overlay_name(options_.overlay));  // throws for a value outside the enum
   source_.images = images.contiguous();
   source_.labels = labels.to(torch::kLong).contiguous();
   side_ = images.size(1);
@@ -164,7 +179,9 @@ MultiMnistBatch MultiMnist::generate(int64_t first_n, int64_t count) const {
         for (int64_t x = 0; x < H; ++x) canvas[y * S + x] = static_cast<float>(digit[y * H + x]) / 255.0f;
     }
   }
-  batch.images = std::get<0>(batch.digits.max(1));  // pixel-wise max overlay: [B, 1, S, S]
+  // images: [B, 1, S, S]. add: min(a + b, 1), the authors' uint8 add-and-clip at 255 on [0, 1] floats.
+  batch.images = options_.overlay == Overlay::kMax ? std::get<0>(batch.digits.max(1))
+                                                   : batch.digits.sum(1).clamp_max_(1.0f);
   return batch;
 }
 

@@ -6,11 +6,26 @@
 #include <torch/torch.h>
 
 #include <array>
+#include <string>
 #include <vector>
 
 #include "capsnet/data/mnist.h"
 
 namespace capsnet::data {
+
+/// How the two shifted digits are combined into the composite image.
+enum class Overlay {
+  /// min(a + b, 1): the authors' generator adds the two uint8 digits and clips at 255, so strokes that
+  /// cross get brighter up to saturation (the paper's default here).
+  kAddClip,
+  /// max(a, b): what this project generated before the option existed (checkpoints without the key).
+  kMax,
+};
+
+/// "add" | "max": the CLI spelling and the value stored in checkpoints.
+const char* overlay_name(Overlay overlay);
+/// Inverse of overlay_name. Throws std::invalid_argument naming the accepted values.
+Overlay parse_overlay(const std::string& name);
 
 struct MultiMnistOptions {
   /// Zero border added on every side of a source digit: canvas side = source side + 2 * pad (28 -> 36).
@@ -18,11 +33,13 @@ struct MultiMnistOptions {
   /// Each digit is shifted by its own (dx, dy), each uniform in [-max_shift, max_shift]. Must be <= pad,
   /// so a shifted digit never leaves the canvas (no ink is clipped).
   int64_t max_shift = 4;
+  /// Composite of the two shifted digits (default: the authors' add-and-clip).
+  Overlay overlay = Overlay::kAddClip;
 };
 
 /// One generated pair, with how it was made (for tests and figures).
 struct MultiMnistExample {
-  torch::Tensor image;   // composite: [S, S] float in [0, 1], S = canvas side; pixel-wise max of `digits`
+  torch::Tensor image;   // composite: [S, S] float in [0, 1], S = canvas side; `digits` overlaid (options.overlay)
   torch::Tensor digits;  // the two shifted digits alone: [2, S, S] float in [0, 1] (reconstruction targets)
   std::array<int64_t, 2> labels{};  // classes (a, b), a != b
   std::array<int64_t, 2> source{};  // indices of the two digits in the source set
@@ -60,8 +77,9 @@ struct OverlapStats {
 ///    in a new order each round (the paper pairs each digit with 1K others);
 ///  - digit b is drawn uniformly among the source digits whose class differs from a's;
 ///  - each digit is padded by `pad` and shifted by its own (dx, dy) ~ U{-max_shift..max_shift}^2;
-///  - the composite is the pixel-wise max of the two shifted digits (stays in [0, 1], and equals either
-///    digit where the other has no ink). The paper does not say which overlay it used.
+///  - the composite overlays the two shifted digits: by default clamp(a + b, 0, 1), as the authors'
+///    generator does (it adds the uint8 digits and clips at 255); Overlay::kMax takes the pixel-wise
+///    max instead. Both equal either digit where the other has no ink and differ only where both have.
 /// All choices come from a splitmix64 hash of (seed, n, purpose): no state, thread-safe, reproducible.
 /// Nothing is stored beyond the source set and a class-sorted index of it (N int64).
 class MultiMnist {

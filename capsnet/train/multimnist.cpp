@@ -43,6 +43,15 @@ nlohmann::json MultiMnistTrainOptions::to_json() const {
           {"test_size", test_size}, {"out_dir", out_dir}};
 }
 
+data::Overlay saved_overlay(const nlohmann::json& train_options) {
+  if (!train_options.is_object() || !train_options.contains("train_generator")) return data::Overlay::kMax;
+  const auto& generator = train_options.at("train_generator");
+  if (!generator.is_object() || !generator.contains("overlay")) return data::Overlay::kMax;
+  if (!generator.at("overlay").is_string())
+    throw std::invalid_argument("checkpoint: train_generator.overlay must be a string");
+  return data::parse_overlay(generator.at("overlay").get<std::string>());
+}
+
 MultiMnistForward forward_pair(models::CapsNet& model, const torch::Tensor& images, const torch::Tensor& which) {
   TORCH_CHECK(which.dim() == 2 && which.size(1) == 2 && which.size(0) == images.size(0),
               "forward_pair: which must be [B, 2] with B = ", images.size(0), ", got ", which.sizes());
@@ -151,11 +160,16 @@ class MultiMnistTask : public Task {
   nlohmann::json model_config() const override { return o_.model.to_json(); }
   bool config_matches(const nlohmann::json& saved) const override { return models::same_config(saved, o_.model); }
   nlohmann::json data_config() const override {
-    return {{"train_generator",
-             {{"seed", train_.seed()},
-              {"source_size", train_.source_size()},
-              {"pad", train_.options().pad},
-              {"max_shift", train_.options().max_shift}}}};
+    nlohmann::json generator = {{"seed", train_.seed()},
+                                {"source_size", train_.source_size()},
+                                {"pad", train_.options().pad},
+                                {"max_shift", train_.options().max_shift}};
+    // Checkpoints from before the overlay option have no "overlay" and were trained with max. The
+    // loop compares this object as a whole on resume, so max is recorded by leaving the key out: an
+    // old checkpoint then resumes with --overlay max and is refused with add (and the reverse).
+    if (train_.options().overlay != data::Overlay::kMax)
+      generator["overlay"] = data::overlay_name(train_.options().overlay);
+    return {{"train_generator", generator}};
   }
   std::string describe() const override {
     return fmt::format("MultiMNIST CapsNet ({} primary capsules, {}x{} input)", o_.model.num_primary_caps(),

@@ -41,6 +41,11 @@ struct MultiMnistTrainOptions {
   nlohmann::json to_json() const;
 };
 
+/// The overlay a MultiMNIST checkpoint's training pairs used, from its saved train options
+/// (train_generator.overlay; missing = Overlay::kMax, what checkpoints from before the option used).
+/// Throws std::invalid_argument for an unknown value.
+data::Overlay saved_overlay(const nlohmann::json& train_options);
+
 /// One forward pass with both digits decoded.
 struct MultiMnistForward {
   models::CapsNetOutput out;     // digit_caps v: [B, K, D], lengths: [B, K]
