@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -377,6 +378,168 @@ TEST(SegCapsModel, ConfigJsonAndBadInput) {
   expect_invalid([&] { model->loss(out, torch::zeros({1, 12, 12})); }, "masks");
 }
 
+// ---- loss: class weighting and the masked reconstruction regulariser (SegCaps Sec. 3.1-3.2) ----------
+
+namespace {
+capsnet::models::SegCapsConfig tiny_segcaps_with_recon(double recon_weight = 0.5) {
+  auto c = tiny_segcaps();
+  c.recon_weight = recon_weight;  // the paper's 64 and 128 decoder channels: with a handful, the small
+  return c;                        // capsules at initialisation can leave every ReLU dead (seen: 5 and 6)
+}
+}  // namespace
+
+TEST(SegCapsLoss, WeightedBceMatchesAHandComputedValue) {
+  namespace m = capsnet::models;
+  auto p = torch::tensor({0.9, 0.2, 0.6, 0.1}, torch::kDouble).view({1, 1, 2, 2});
+  auto y = torch::tensor({1.0, 0.0, 1.0, 0.0}, torch::kDouble).view({1, 1, 2, 2});
+  // -(w y log p + (1 - y) log(1 - p)), mean over the 4 pixels, w = 3.
+  const double expected = -(3 * std::log(0.9) + std::log(0.8) + 3 * std::log(0.6) + std::log(0.9)) / 4;
+  EXPECT_NEAR(m::weighted_bce(p, y, 3.0).item<double>(), expected, 1e-12);
+  const double plain = -(std::log(0.9) + std::log(0.8) + std::log(0.6) + std::log(0.9)) / 4;
+  EXPECT_NEAR(m::weighted_bce(p, y, 1.0).item<double>(), plain, 1e-12);
+  // auto: background / foreground pixels of the batch (2 / 2 here; 3 / 1 with one foreground pixel).
+  EXPECT_DOUBLE_EQ(m::batch_pos_weight(y), 1.0);
+  EXPECT_DOUBLE_EQ(m::batch_pos_weight(torch::tensor({1.0, 0.0, 0.0, 0.0}).view({1, 1, 2, 2})), 3.0);
+  EXPECT_DOUBLE_EQ(m::batch_pos_weight(torch::zeros({1, 1, 2, 2})), 1.0);  // no foreground: unweighted
+  EXPECT_DOUBLE_EQ(m::batch_pos_weight(torch::ones({1, 1, 2, 2})), 1.0);
+
+  // Through the model: auto_pos_weight uses the batch ratio; recon_weight 0 is exactly the weighted BCE.
+  ScopedThreads one(1);
+  torch::manual_seed(3);
+  auto c = tiny_segcaps();
+  c.auto_pos_weight = true;
+  m::SegCaps model(c);
+  auto images = torch::rand({2, 1, 12, 12});
+  auto masks = (images > 0.7).to(torch::kFloat);
+  auto out = model->forward(images, masks);
+  EXPECT_FALSE(out.reconstruction.defined());  // no decoder
+  auto terms = model->loss_terms(out, masks, images);
+  EXPECT_DOUBLE_EQ(terms.pos_weight, m::batch_pos_weight(masks));
+  EXPECT_GT(terms.pos_weight, 1.5);
+  EXPECT_TRUE(torch::equal(terms.total, m::weighted_bce(out.probability, masks, terms.pos_weight)));
+  EXPECT_EQ(terms.reconstruction.item<double>(), 0.0);
+}
+
+TEST(SegCapsLoss, ReconstructionTargetIsTheMaskedInputAndTheLossAddsItsWeightedMse) {
+  namespace m = capsnet::models;
+  auto images = torch::rand({2, 1, 12, 12}) + 0.1;  // no zero pixel
+  auto masks = (torch::rand({2, 1, 12, 12}) > 0.5).to(torch::kFloat);
+  auto target = m::masked_reconstruction_target(images, masks);
+  EXPECT_EQ(target.masked_select(masks == 0).abs().max().item<float>(), 0.f);  // zero outside the object
+  EXPECT_TRUE(torch::equal(target.masked_select(masks == 1), images.masked_select(masks == 1)));
+
+  ScopedThreads one(1);
+  torch::manual_seed(4);
+  m::SegCaps model(tiny_segcaps_with_recon(0.5));
+  auto out = model->forward(images, masks);
+  ASSERT_TRUE(out.reconstruction.defined());
+  EXPECT_EQ(out.reconstruction.sizes(), (std::vector<int64_t>{2, 1, 12, 12}));
+  EXPECT_TRUE(torch::equal(out.reconstruction, model->decode(out.capsules, masks)));
+  auto terms = model->loss_terms(out, masks, images);
+  const double mse = (out.reconstruction - images * masks).pow(2).mean().item<double>();
+  EXPECT_NEAR(terms.reconstruction.item<double>(), mse, 1e-7);
+  EXPECT_NEAR(terms.total.item<double>(), terms.bce.item<double>() + 0.5 * mse, 1e-6);
+  EXPECT_DOUBLE_EQ(terms.pos_weight, 1.0);
+  // Pixels outside the mask are decoded from a zero capsule: all the same value, whatever the image.
+  auto outside = out.reconstruction.masked_select(masks == 0);
+  EXPECT_NEAR(outside.max().item<float>(), outside.min().item<float>(), 1e-6);
+  // Without masks (inference) nothing is decoded, and the loss says what it needs.
+  EXPECT_FALSE(model->forward(images).reconstruction.defined());
+  expect_invalid([&] { model->loss(model->forward(images), masks, images); }, "forward(images, masks)");
+  expect_invalid([&] { model->decode(out.capsules, masks.squeeze(1)); }, "masks");
+  m::SegCaps plain(tiny_segcaps());
+  expect_invalid([&] { plain->decode(out.capsules, masks); }, "no decoder");
+}
+
+TEST(SegCapsLoss, RegulariserGradientReachesTheDecoderAndTheCapsuleLayers) {
+  namespace m = capsnet::models;
+  ScopedThreads one(1);
+  torch::manual_seed(5);
+  m::SegCaps model(tiny_segcaps_with_recon(1.0));
+  model->to(torch::kDouble);
+  auto images = torch::rand({2, 1, 12, 12}, torch::kDouble);
+  auto masks = (images > 0.5).to(torch::kDouble);
+  auto params = model->named_parameters();
+  // Only the reconstruction term: its gradient must reach the decoder and, through the masked
+  // capsules, every capsule layer down to the stem.
+  auto recon = [&] { return model->loss_terms(model->forward(images, masks), masks, images).reconstruction; };
+  model->zero_grad();
+  recon().backward();
+  // (The stem reaches the last capsule layer through the skip connection. The deeper path through the
+  // U is also connected, but at initialisation its gradient is ~1e-17: squash(s) ~ |s| s for small s.)
+  for (const auto* name : {"decoder.0.weight", "decoder.2.weight", "decoder.4.weight", "seg.weight", "stem.weight"}) {
+    ASSERT_TRUE(params.contains(name)) << name;
+    const auto& g = params[name].grad();
+    ASSERT_TRUE(g.defined()) << name;
+    EXPECT_GT(g.abs().sum().item<double>(), 1e-8) << name;
+  }
+  // The values: central differences on a few entries of the decoder's first conv and the last capsule layer.
+  capsnet::testutil::GradcheckOptions go;
+  go.max_elements = 6;
+  go.rtol = 1e-3;
+  go.atol = 1e-7;
+  EXPECT_TRUE(capsnet::testutil::gradcheck([&](const std::vector<torch::Tensor>&) { return recon(); },
+                                           {params["decoder.0.weight"], params["seg.weight"], params["stem.weight"]},
+                                           go));
+  // The BCE alone does not touch the decoder.
+  model->zero_grad();
+  model->loss_terms(model->forward(images, masks), masks, images).bce.backward();
+  const auto& g = params["decoder.0.weight"].grad();
+  EXPECT_TRUE(!g.defined() || g.abs().sum().item<double>() == 0.0);
+
+  // Capsules outside the mask get no gradient from the regulariser, those inside do.
+  auto caps = torch::randn({2, 1, 4, 12, 12}, torch::kDouble).requires_grad_();
+  torch::mse_loss(model->decode(caps, masks), m::masked_reconstruction_target(images, masks)).backward();
+  auto outside = masks.unsqueeze(2).expand_as(caps) == 0;
+  EXPECT_EQ(caps.grad().masked_select(outside).abs().max().item<double>(), 0.0);
+  EXPECT_GT(caps.grad().masked_select(~outside).abs().sum().item<double>(), 0.0);
+}
+
+TEST(SegCapsLoss, Float64GradcheckDecoder) {
+  namespace m = capsnet::models;
+  torch::manual_seed(7);
+  auto c = tiny_segcaps_with_recon(1.0);
+  c.image_size = 8;
+  c.recon_hidden1 = 5;  // random capsules below keep these ReLUs alive
+  c.recon_hidden2 = 6;
+  m::SegCaps model(c);
+  model->to(torch::kDouble);
+  auto caps = torch::randn({1, 1, 4, 8, 8}, torch::kDouble).requires_grad_();
+  auto masks = (torch::rand({1, 1, 8, 8}, torch::kDouble) > 0.4).to(torch::kDouble);
+  auto params = model->named_parameters();
+  capsnet::testutil::GradcheckOptions go;
+  go.max_elements = 40;
+  EXPECT_TRUE(capsnet::testutil::gradcheck(
+      [&](const std::vector<torch::Tensor>& x) { return model->decode(x[0], masks); },
+      {caps, params["decoder.0.weight"], params["decoder.2.bias"], params["decoder.4.weight"]}, go));
+}
+
+TEST(SegCapsLoss, ConfigKeysOldConfigsAndBadValues) {
+  namespace m = capsnet::models;
+  auto c = tiny_segcaps_with_recon(0.131);
+  c.auto_pos_weight = true;
+  auto back = m::SegCapsConfig::from_json(nlohmann::json::parse(c.to_json().dump()));
+  EXPECT_EQ(back.to_json(), c.to_json());
+  EXPECT_EQ(c.to_json().at("recon_weight"), 0.131);
+  // A config saved before the options existed: no keys, read as plain BCE without a decoder.
+  auto old = tiny_segcaps().to_json();
+  for (const auto* key : {"pos_weight", "auto_pos_weight", "recon_weight", "recon_hidden1", "recon_hidden2"})
+    old.erase(key);
+  auto read = m::SegCapsConfig::from_json(old);
+  EXPECT_EQ(read.pos_weight, 1.0);
+  EXPECT_FALSE(read.auto_pos_weight);
+  EXPECT_EQ(read.recon_weight, 0.0);
+  EXPECT_EQ(read.to_json(), tiny_segcaps().to_json());
+  m::SegCaps old_model(read);
+  for (const auto& p : old_model->named_parameters()) EXPECT_EQ(p.key().rfind("decoder", 0), std::string::npos);
+  auto bad = tiny_segcaps();
+  bad.pos_weight = 0;
+  expect_invalid([&] { bad.validate(); }, "pos_weight");
+  bad = tiny_segcaps();
+  bad.recon_weight = -1;
+  expect_invalid([&] { bad.validate(); }, "recon_weight");
+}
+
 // ---- CLI ----------------------------------------------------------------------------------------
 
 TEST(SegCapsCli, TrainsEvaluatesAndWritesOutputs) {
@@ -399,6 +562,10 @@ TEST(SegCapsCli, TrainsEvaluatesAndWritesOutputs) {
   EXPECT_LE(j["test_dice"].get<double>(), 1.0);
   EXPECT_GT(j["baseline"]["test_dice"].get<double>(), 0.0);
   EXPECT_EQ(j["model"]["image_size"], 28);
+  // The defaults are the paper's: foreground weighted by the batch's class ratio, reconstruction 0.131.
+  EXPECT_EQ(j["model"]["auto_pos_weight"], true);
+  EXPECT_EQ(j["model"]["recon_weight"], 0.131);
+  EXPECT_EQ(j["pos_weight"], "auto");
   EXPECT_TRUE(std::filesystem::exists(out + "/segcaps.png"));
   EXPECT_TRUE(std::filesystem::exists(out + "/checkpoint.pt"));
   // The one loop's format: start, three "train" records (--log-every 1), the checkpoint at the end,
@@ -407,6 +574,15 @@ TEST(SegCapsCli, TrainsEvaluatesAndWritesOutputs) {
   std::vector<std::string> events;
   for (std::string line; std::getline(metrics, line);) events.push_back(nlohmann::json::parse(line)["event"]);
   EXPECT_EQ(events, (std::vector<std::string>{"start", "train", "train", "train", "checkpoint", "eval", "end"}));
+  {
+    std::ifstream again(out + "/metrics.jsonl");
+    std::string start, train;
+    std::getline(again, start);
+    std::getline(again, train);
+    auto record = nlohmann::json::parse(train);
+    EXPECT_GT(record.at("reconstruction_loss").get<double>(), 0.0) << train;
+    EXPECT_GT(record.at("pos_weight").get<double>(), 1.0) << train;  // digits cover well under half the canvas
+  }
 
   // A spent --max-minutes budget stops training after the first step and still evaluates.
   r = capsnet::testing::run_command(kCli + " segcaps --data " + (dir / "data") + " --out " + out +
@@ -431,6 +607,14 @@ TEST(SegCapsCli, BadOptions) {
   r = capsnet::testing::run_command(kCli + " segcaps --fragments -2 --out " + (dir / "o"));
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("--fragments"), std::string::npos) << r.output;
+  for (const std::string bad : {"foo", "0", "-1", "nan", "2e6", "1x"}) {
+    r = capsnet::testing::run_command(kCli + " segcaps --pos-weight " + bad + " --out " + (dir / "o"));
+    EXPECT_NE(r.status, 0) << bad;
+    EXPECT_NE(r.output.find("--pos-weight must be 'auto' or a number"), std::string::npos) << r.output;
+  }
+  r = capsnet::testing::run_command(kCli + " segcaps --recon-weight -1 --out " + (dir / "o"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--recon-weight"), std::string::npos) << r.output;
   r = capsnet::testing::run_command(kCli + " segcaps --steps 1 --data " + (dir / "missing") + " --out " + (dir / "o"));
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("missing"), std::string::npos) << r.output;

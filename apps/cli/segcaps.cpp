@@ -4,6 +4,9 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <optional>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -26,6 +29,17 @@ constexpr const char* kDiceDefinition =
     "per test image: predicted mask P = (capsule length |v| > threshold), target T = main digit ink > "
     "mask_threshold; Dice = 2|P∩T| / (|P| + |T|) (1 when both are empty); reported value = mean over the test images";
 
+/// "auto" -> nullopt, else a number in (0, 1e6]. Throws std::invalid_argument naming the flag.
+std::optional<double> parse_pos_weight(const std::string& text) {
+  if (text == "auto") return std::nullopt;
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(v) || !(v > 0 && v <= 1e6))
+    throw std::invalid_argument(
+        fmt::format("--pos-weight must be 'auto' or a number in (0, 1e6] (1 = unweighted), got '{}'", text));
+  return v;
+}
+
 }  // namespace
 
 Subcommand add_segcaps(CLI::App& root) {
@@ -37,6 +51,8 @@ Subcommand add_segcaps(CLI::App& root) {
     int64_t figure_rows = 8;
     double max_minutes = 0;
     bool composite_routing = false;
+    std::string pos_weight = "auto";  // auto | a number > 0 (1 = unweighted BCE)
+    double recon_weight = 0.131;      // the paper's; 0 = no reconstruction branch
     LoopFlags loop;
   };
   auto f = std::make_shared<Flags>();
@@ -81,6 +97,23 @@ Subcommand add_segcaps(CLI::App& root) {
   app->add_option("--stem-channels", f->o.model.stem_channels, "Channels of the conv stem (atoms at full resolution)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
+  app->add_option("--pos-weight", f->pos_weight,
+                  "Weight of foreground pixels in the BCE: auto = background / foreground pixels of each batch "
+                  "(the paper weights by the class ratio), or a number in (0, 1e6]; 1 = unweighted")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            try {
+              parse_pos_weight(text);
+            } catch (const std::invalid_argument& e) {
+              return e.what();
+            }
+            return {};
+          },
+          "auto|NUMBER", "POS_WEIGHT"))
+      ->capture_default_str();
+  app->add_option("--recon-weight", f->recon_weight,
+                  "Weight of the masked reconstruction MSE (paper: 0.131); 0 = no reconstruction branch")
+      ->capture_default_str();
   app->add_option("--max-minutes", f->max_minutes,
                   "Wall-clock training budget in minutes (0 = none); the model is evaluated where it stopped")
       ->check(CLI::NonNegativeNumber)
@@ -107,6 +140,10 @@ Subcommand add_segcaps(CLI::App& root) {
           throw std::invalid_argument(fmt::format("--canvas must be a multiple of 4, got {}", f->d.canvas));
         o.model.image_size = f->d.canvas;
         o.fused_routing = !f->composite_routing;
+        const auto pos = parse_pos_weight(f->pos_weight);
+        o.model.auto_pos_weight = !pos.has_value();
+        o.model.pos_weight = pos.value_or(1.0);
+        o.model.recon_weight = f->recon_weight;
         o.validate();  // before loading the data
         f->d.validate(28);
         return run_training_command(f->loop, o.out_dir, o.batch_size, [f](auto group) {
@@ -145,6 +182,8 @@ Subcommand add_segcaps(CLI::App& root) {
                  return n;
                }()},
               {"routing", f->composite_routing ? "composite" : "fused"},
+              {"pos_weight", f->pos_weight},
+              {"recon_weight", o.model.recon_weight},
               {"data",
                {{"dataset", f->data.dataset},
                 {"dir", f->data.resolved()},

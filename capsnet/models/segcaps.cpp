@@ -25,6 +25,12 @@ void SegCapsConfig::validate() const {
   positive("kernel", kernel);
   positive("seg_atoms", seg_atoms);
   positive("routing_iterations", routing_iterations);
+  positive("recon_hidden1", recon_hidden1);
+  positive("recon_hidden2", recon_hidden2);
+  if (!(pos_weight > 0 && pos_weight <= 1e6))
+    throw std::invalid_argument(fmt::format("segcaps config: pos_weight must be in (0, 1e6], got {}", pos_weight));
+  if (!(recon_weight >= 0 && recon_weight <= 1e6))
+    throw std::invalid_argument(fmt::format("segcaps config: recon_weight must be in [0, 1e6], got {}", recon_weight));
   if (image_size % 4 != 0 || image_size < 8)
     throw std::invalid_argument(
         fmt::format("segcaps config: image_size must be a multiple of 4 and at least 8 (two stride-2 levels), got {}",
@@ -70,9 +76,39 @@ void SegCapsImpl::reset() {
   up1_conv = register_module("up1_conv", conv(2 * c.types, c.low_atoms, c.types, c.low_atoms, k, 1, r));
   up2 = register_module("up2", deconv(c.types, c.low_atoms, c.primary_types, c.stem_channels));
   seg = register_module("seg", conv(c.primary_types + 1, c.stem_channels, 1, c.seg_atoms, 1, 1, r));
+  if (c.recon_weight > 0) {
+    // The paper's decoder: three 1x1 convs (64, 128, 1 channels), ReLU, ReLU, sigmoid: per pixel, so a
+    // pixel is rebuilt from its own capsule only.
+    auto conv1x1 = [](int64_t in, int64_t out) { return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 1)); };
+    decoder = register_module("decoder", torch::nn::Sequential(conv1x1(c.seg_atoms, c.recon_hidden1), torch::nn::ReLU(),
+                                                               conv1x1(c.recon_hidden1, c.recon_hidden2),
+                                                               torch::nn::ReLU(), conv1x1(c.recon_hidden2, 1),
+                                                               torch::nn::Sigmoid()));
+  } else {
+    decoder = nullptr;
+  }
 }
 
-SegCapsOutput SegCapsImpl::forward(const torch::Tensor& images) {
+double batch_pos_weight(const torch::Tensor& masks) {
+  const double total = static_cast<double>(masks.numel());
+  const double fg = (masks > 0.5).sum().item<double>();
+  if (fg == 0 || fg == total) return 1.0;
+  return (total - fg) / fg;
+}
+
+torch::Tensor weighted_bce(const torch::Tensor& p, const torch::Tensor& masks, double pos_weight) {
+  // |v| < 1 always, but |v| -> 0 on background: clamp keeps log finite.
+  auto q = p.clamp(1e-6, 1 - 1e-6);
+  auto y = masks.to(q.dtype());
+  if (pos_weight == 1) return torch::binary_cross_entropy(q, y);  // the unweighted loss of before, bit for bit
+  return -(pos_weight * y * torch::log(q) + (1 - y) * torch::log(1 - q)).mean();
+}
+
+torch::Tensor masked_reconstruction_target(const torch::Tensor& images, const torch::Tensor& masks) {
+  return images * masks.to(images.dtype());  // [B, 1, S, S]
+}
+
+SegCapsOutput SegCapsImpl::forward(const torch::Tensor& images, const torch::Tensor& masks) {
   const int64_t S = config.image_size;
   if (!images.defined() || images.dim() != 4 || images.size(1) != 1 || images.size(2) != S || images.size(3) != S)
     throw std::invalid_argument(fmt::format("SegCaps: images must be [B, 1, {}, {}], got {}", S, S,
@@ -88,16 +124,54 @@ SegCapsOutput SegCapsImpl::forward(const torch::Tensor& images) {
   SegCapsOutput out;
   out.capsules = seg->forward(u2);                                 // [B, 1, A_seg, S, S]
   out.probability = capsule_length(out.capsules, /*dim=*/2);       // [B, 1, S, S]
+  if (masks.defined() && decoder) out.reconstruction = decode(out.capsules, masks);  // [B, 1, S, S]
   return out;
 }
 
-torch::Tensor SegCapsImpl::loss(const SegCapsOutput& out, const torch::Tensor& masks) const {
+torch::Tensor SegCapsImpl::decode(const torch::Tensor& capsules, const torch::Tensor& masks) {
+  if (!decoder)
+    throw std::invalid_argument("SegCaps::decode: the model has no decoder (recon_weight = 0)");
+  const int64_t S = config.image_size;
+  if (!capsules.defined() || capsules.dim() != 5 || capsules.size(1) != 1 || capsules.size(2) != config.seg_atoms ||
+      capsules.size(3) != S || capsules.size(4) != S)
+    throw std::invalid_argument(fmt::format("SegCaps::decode: capsules must be [B, 1, {}, {}, {}], got {}",
+                                            config.seg_atoms, S, S,
+                                            capsules.defined() ? c10::str(capsules.sizes()) : "undefined"));
+  const int64_t B = capsules.size(0);
+  if (!masks.defined() || masks.sizes() != at::IntArrayRef({B, 1, S, S}))
+    throw std::invalid_argument(fmt::format("SegCaps::decode: masks must be [{}, 1, {}, {}], got {}", B, S, S,
+                                            masks.defined() ? c10::str(masks.sizes()) : "undefined"));
+  // Only the object's capsules reach the decoder: the ground truth masks every other pixel to 0.
+  auto masked = capsules.select(1, 0) * masks.to(capsules.dtype());  // [B, A_seg, S, S]
+  return decoder->forward(masked);                                      // [B, 1, S, S]
+}
+
+SegCapsLoss SegCapsImpl::loss_terms(const SegCapsOutput& out, const torch::Tensor& masks,
+                                    const torch::Tensor& images) const {
   if (!masks.defined() || masks.sizes() != out.probability.sizes())
     throw std::invalid_argument(fmt::format("SegCaps::loss: masks must be {}, got {}", c10::str(out.probability.sizes()),
                                             masks.defined() ? c10::str(masks.sizes()) : "undefined"));
-  // |v| < 1 always, but |v| -> 0 on background: clamp keeps log finite.
-  auto p = out.probability.clamp(1e-6, 1 - 1e-6);
-  return torch::binary_cross_entropy(p, masks.to(p.dtype()));
+  SegCapsLoss l;
+  // Auto: measured on the batch, since the images are generated on the fly (there is no fixed training
+  // set whose ratio the authors' code would count) and a per-batch number needs no state to resume.
+  l.pos_weight = config.auto_pos_weight ? batch_pos_weight(masks) : config.pos_weight;
+  l.bce = weighted_bce(out.probability, masks, l.pos_weight);
+  if (config.recon_weight > 0) {
+    if (!out.reconstruction.defined() || !images.defined() || images.sizes() != masks.sizes())
+      throw std::invalid_argument(
+          "SegCaps::loss: recon_weight > 0 needs the output of forward(images, masks) and the images");
+    l.reconstruction = torch::mse_loss(out.reconstruction, masked_reconstruction_target(images, masks));
+    l.total = l.bce + config.recon_weight * l.reconstruction;
+  } else {
+    l.reconstruction = torch::zeros({}, l.bce.options());
+    l.total = l.bce;
+  }
+  return l;
+}
+
+torch::Tensor SegCapsImpl::loss(const SegCapsOutput& out, const torch::Tensor& masks,
+                                const torch::Tensor& images) const {
+  return loss_terms(out, masks, images).total;
 }
 
 void SegCapsImpl::set_fused_routing(bool fused) {

@@ -37,8 +37,8 @@ SegmentationEval evaluate_segcaps(models::SegCaps& model, const data::DigitSegme
   for (int64_t start = 0; start < count; start += batch_size) {
     const int64_t len = std::min(batch_size, count - start);
     auto batch = set.generate(first_n + start, len);
-    auto out = model->forward(batch.images);
-    loss_sum += model->loss(out, batch.masks).item<double>() * static_cast<double>(len);
+    auto out = model->forward(batch.images, batch.masks);
+    loss_sum += model->loss(out, batch.masks, batch.images).item<double>() * static_cast<double>(len);
     dice_sum += data::dice_per_image(out.probability > threshold, batch.masks).sum().item<double>();
   }
   model->train(was_training);
@@ -92,6 +92,15 @@ class SegCapsTask : public Task {
     return model_.ptr();
   }
   nlohmann::json model_config() const override { return o_.model.to_json(); }
+  // Through from_json, so that a config saved before the loss options existed (no keys: plain BCE, no
+  // decoder) matches a run with those options at their old values.
+  bool config_matches(const nlohmann::json& saved) const override {
+    try {
+      return models::SegCapsConfig::from_json(saved).to_json() == o_.model.to_json();
+    } catch (const std::invalid_argument&) {
+      return false;
+    }
+  }
   nlohmann::json data_config() const override { return {{"canvas", train_.canvas_size()}}; }
   std::string describe() const override {
     return fmt::format("segcaps ({}x{} generated images)", o_.model.image_size, o_.model.image_size);
@@ -104,11 +113,15 @@ class SegCapsTask : public Task {
     return {{b.images, b.masks}};  // [B, 1, S, S] each
   }
   TaskLoss loss(const Batch& rows) override {
-    auto out = model_->forward(rows[0]);
-    auto loss = model_->loss(out, rows[1]);
+    auto out = model_->forward(rows[0], rows[1]);
+    auto l = model_->loss_terms(out, rows[1], rows[0]);
     torch::NoGradGuard no_grad;
     auto dice = data::dice_per_image(out.probability > o_.threshold, rows[1]).to(torch::kFloat64).mean();
-    return {loss, {{"dice", dice}}};
+    return {l.total,
+            {{"dice", dice},
+             {"bce", l.bce.detach()},
+             {"reconstruction_loss", l.reconstruction.detach()},
+             {"pos_weight", torch::tensor(l.pos_weight, torch::kFloat64)}}};
   }
   std::optional<Evaluation> evaluate(std::ostream*) override {
     last_ = evaluate_segcaps(model_, test_, 0, o_.test_size, o_.eval_batch_size, o_.threshold);

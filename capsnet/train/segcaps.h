@@ -1,6 +1,7 @@
 #pragma once
 // Training and evaluation of the SegCaps model on cluttered-digit segmentation (data/segmentation.h):
-// Adam on binary cross-entropy of the capsule length, fresh generated images every step, Dice on a
+// Adam on the model's loss (class-weighted binary cross-entropy of the capsule length, plus the masked
+// reconstruction regulariser when the config has one), fresh generated images every step, Dice on a
 // fixed test set, the thresholding baseline, and the input | target | prediction figure.
 
 #include <torch/torch.h>
@@ -44,7 +45,7 @@ struct SegCapsTrainOptions {
 struct SegmentationEval {
   int64_t examples = 0;
   double mean_dice = 0;  // mean over images of the per-image Dice of (|v| > threshold) vs the target mask
-  double loss = 0;       // mean BCE
+  double loss = 0;       // mean model loss (weighted BCE + recon_weight * masked-reconstruction MSE)
   double seconds = 0;
 };
 
