@@ -6,7 +6,7 @@
 # the fp16 file itself, over the whole test split, so `capsnet eval` on it prints exactly that.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-CLI="$ROOT/build/bin/capsnet"
+CLI="${CAPSNET_CLI:-$ROOT/build/bin/capsnet}"  # CAPSNET_CLI: another build of the tool
 CKPT="$1"; OUT="$2"; COMMAND="$3"; DATASET="${4:-mnist}"
 NAME="capsnet-$DATASET.pt"
 mkdir -p "$OUT"
