@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <sstream>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -81,14 +82,16 @@ TEST(BenchCliTest, RunsFusedReferenceAndPeerSideBySideAndWritesJsonLines) {
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("fused vs peer: training"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("fused vs reference: training"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fused vs peer-tuned: training"), std::string::npos) << r.output;
 
   std::ifstream in(jsonl);
   std::vector<nlohmann::json> lines;
   for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
   // fused-bf16 runs too where the CPU computes bf16 natively.
   const auto expected = nn::cpu_has_native_bf16()
-                            ? std::vector<std::string>{"fused", "fused-bf16", "reference", "peer"}
-                            : std::vector<std::string>{"fused", "reference", "peer"};
+                            ? std::vector<std::string>{"fused", "fused-bf16", "reference", "peer", "peer-tuned",
+                                                       "peer-tuned-bf16"}
+                            : std::vector<std::string>{"fused", "reference", "peer", "peer-tuned"};
   ASSERT_EQ(lines.size(), expected.size() + 1);  // one per configuration, then the summary
   std::vector<std::string> configs;
   for (size_t i = 0; i < expected.size(); ++i) {
@@ -98,8 +101,10 @@ TEST(BenchCliTest, RunsFusedReferenceAndPeerSideBySideAndWritesJsonLines) {
     EXPECT_GT(lines[i].at("train_peak_rss_mb").get<double>(), 0);
   }
   EXPECT_EQ(configs, expected);
-  if (nn::cpu_has_native_bf16())
+  if (nn::cpu_has_native_bf16()) {
     EXPECT_NE(r.output.find("fused-bf16 vs fused: training"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("fused-bf16 vs peer-tuned-bf16: training"), std::string::npos) << r.output;
+  }
   const auto& summary = lines.back();
   ASSERT_TRUE(summary.at("summary").get<bool>());
   const double fused = summary.at("median").at("fused").at("train_img_s").get<double>();
@@ -124,6 +129,26 @@ TEST(BenchmarkTest, ForwardFlopsOfThePaperModelAddUpByHand) {
   const double g = apps::gemm_gflops(torch::kFloat, 64, 2);
   EXPECT_GT(g, 0);
   EXPECT_TRUE(std::isfinite(g));
+}
+
+TEST(BenchCliTest, OnednnCountsModeCountsTheConvolutionsOfATrainingStep) {
+  // Forward: Conv1 and PrimaryCaps; backward: both weight gradients and PrimaryCaps' input gradient
+  // (the images need none). Counted from ONEDNN_VERBOSE as a difference of two traced runs.
+  auto r = run_command(kCli + " bench --onednn-counts --configs fused --batch-size 2 --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::istringstream lines(r.output);
+  std::string line, last_json;
+  while (std::getline(lines, line))
+    if (!line.empty() && line.front() == '{') last_json = line;
+  ASSERT_FALSE(last_json.empty()) << r.output;
+  const auto j = nlohmann::json::parse(last_json);
+  const auto& fused = j.at("configs").at("fused");
+  const double conv = fused.at("convolution_per_step").get<double>();
+  EXPECT_EQ(conv, std::round(conv)) << "a step runs whole primitives";
+  EXPECT_GE(conv, 2) << r.output;
+  EXPECT_LE(conv, 8) << r.output;
+  EXPECT_GE(fused.at("reorder_per_step").get<double>(), 0);
+  EXPECT_EQ(j.at("batch_size").get<int64_t>(), 2);
 }
 
 TEST(BenchCliTest, UnknownConfigurationAndMissingPythonAreClearErrors) {

@@ -301,6 +301,22 @@ TEST_F(ReliabilityCli, ProcessAndThreadCountsBeyondTheMachineAreRefusedOrIgnored
   expect_contains(r.output, "ignoring CAPSNET_THREADS=100000");
 }
 
+TEST_F(ReliabilityCli, ServeStopsCleanlyOnSigtermAndSigint) {
+  ASSERT_EQ(first_.status, 0) << first_.output;
+  for (const std::string sig : {"TERM", "INT"}) {
+    const auto log = *dir_ / ("serve_" + sig + ".log");
+    // Start, wait (bounded) for the ready line, signal, and report the exit status.
+    const auto script = kCli + " serve --checkpoint " + run_ + "/checkpoint.pt --port 0 --runs " + dir_->str() + " > " +
+                        log + " 2>&1 & p=$!; for i in $(seq 1 300); do grep -q \"Ctrl-C stops\" " + log +
+                        " && break; sleep 0.1; done; kill -" + sig + " $p; wait $p; echo exit=$?";
+    auto r = run_command("sh -c '" + script + "'");
+    const auto out = read_bytes(log);
+    expect_contains(out, "Ctrl-C stops");
+    expect_contains(out, "capsnet serve: stopped");
+    expect_contains(r.output, "exit=0");
+  }
+}
+
 TEST(Reliability, EvaluatingAModelWithFewerClassesThanTheLabelsSaysSo) {
   auto config = testing::tiny_config();  // 10 classes
   models::CapsNet model(config);

@@ -1,5 +1,6 @@
-// capsnet bench: our CapsNet with the fused routing op, with composite (reference-style) routing, and the
-// plain-PyTorch peer (bench/peer_capsnet.py), run side by side in one invocation, interleaved, each
+// capsnet bench: our CapsNet with the fused routing op, with composite (reference-style) routing, and two
+// plain-PyTorch peers (bench/peer_capsnet.py, naive; bench/peer_tuned.py, the fastest eager formulation we
+// know, fp32 and bf16 autocast), run side by side in one invocation, interleaved, each
 // measurement in a fresh process so peak memory is its own. Prints medians and ratios; JSON lines.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -30,14 +31,17 @@ using apps::median;
 struct Flags {
   // fused-bf16 joins where the CPU computes bf16 natively (docs/kernels.md).
   std::vector<std::string> configs = nn::cpu_has_native_bf16()
-                                         ? std::vector<std::string>{"fused", "fused-bf16", "reference", "peer"}
-                                         : std::vector<std::string>{"fused", "reference", "peer"};
+                                         ? std::vector<std::string>{"fused", "fused-bf16", "reference", "peer",
+                                                                    "peer-tuned", "peer-tuned-bf16"}
+                                         : std::vector<std::string>{"fused", "reference", "peer", "peer-tuned"};
   int repeats = 3;
   int64_t batch_size = 100, steps = 10, infer_batches = 5, latency_runs = 30, routing_iters = 3;
   std::string python = "/usr/bin/python3";
   std::string peer_script = std::string(CAPSNET_SOURCE_DIR) + "/bench/peer_capsnet.py";
+  std::string tuned_peer_script = std::string(CAPSNET_SOURCE_DIR) + "/bench/peer_tuned.py";
   std::string jsonl;
   std::string worker;  // internal: run one configuration in this process and print one JSON line
+  bool onednn_counts = false;
   int threads = 0;
 };
 
@@ -45,7 +49,11 @@ const std::map<std::string, std::string> kDescriptions = {
     {"fused", "capsnet, fused routing op"},
     {"fused-bf16", "capsnet, fused routing op, bf16 convs + decoder"},
     {"reference", "capsnet, composite routing (u_hat materialised)"},
-    {"peer", "plain PyTorch peer (Python, eager)"}};
+    {"peer", "plain PyTorch peer (Python, eager)"},
+    {"peer-tuned", "tuned plain PyTorch peer (Python, eager)"},
+    {"peer-tuned-bf16", "tuned plain PyTorch peer, bf16 autocast"}};
+
+bool is_peer(const std::string& config) { return config.rfind("peer", 0) == 0; }
 
 std::string shell_quote(const std::string& s) {
   std::string q = "'";
@@ -60,8 +68,8 @@ std::string self_exe() {
   return std::string(buf.data(), n);
 }
 
-// Runs a command, passing its stderr through, and returns the last JSON line it printed on stdout.
-nlohmann::json run_worker(const std::string& command) {
+// Runs a command, passing its stderr through; returns its stdout. Throws when it fails.
+std::string run_capture(const std::string& command) {
   std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(command.c_str(), "r"), pclose);
   if (!pipe) throw std::runtime_error("bench: cannot start: " + command);
   std::string out;
@@ -69,14 +77,21 @@ nlohmann::json run_worker(const std::string& command) {
   size_t n;
   while ((n = fread(buf.data(), 1, buf.size(), pipe.get())) > 0) out.append(buf.data(), n);
   const int status = pclose(pipe.release());
+  if (status != 0) throw std::runtime_error(fmt::format("bench: worker failed (exit status {}): {}", status, command));
+  return out;
+}
+
+// The last JSON line a worker printed on stdout.
+nlohmann::json last_json_line(const std::string& out, const std::string& command) {
   std::istringstream lines(out);
   std::string line, last_json;
   while (std::getline(lines, line))
     if (!line.empty() && line.front() == '{') last_json = line;
-  if (status != 0 || last_json.empty())
-    throw std::runtime_error(fmt::format("bench: worker failed (exit status {}): {}", status, command));
+  if (last_json.empty()) throw std::runtime_error("bench: worker printed no result: " + command);
   return nlohmann::json::parse(last_json);
 }
+
+nlohmann::json run_worker(const std::string& command) { return last_json_line(run_capture(command), command); }
 
 std::string worker_command(const Flags& f, const std::string& config) {
   const std::string sizes = fmt::format(" --batch-size {} --steps {} --infer-batches {} --latency-runs {}",
@@ -85,8 +100,85 @@ std::string worker_command(const Flags& f, const std::string& config) {
   if (config == "peer")
     return shell_quote(f.python) + " " + shell_quote(f.peer_script) + sizes + threads +
            fmt::format(" --routing-iters {}", f.routing_iters);
+  if (config == "peer-tuned" || config == "peer-tuned-bf16")
+    return shell_quote(f.python) + " " + shell_quote(f.tuned_peer_script) + sizes + threads +
+           fmt::format(" --routing-iters {} --precision {}", f.routing_iters,
+                       config == "peer-tuned-bf16" ? "bf16" : "fp32");
   return shell_quote(self_exe()) + " bench --worker " + config + sizes + threads +
          fmt::format(" --routing-iters {}", f.routing_iters);
+}
+
+// oneDNN primitive executions counted from ONEDNN_VERBOSE=1 lines ("onednn_verbose,exec,cpu,KIND,
+// IMPL,...,TIME_MS"; "dnnl_verbose" in older oneDNN).
+struct OnednnTally {
+  std::map<std::string, int64_t> count;  // primitive kind -> executions
+  std::map<std::string, double> ms;      // primitive kind -> summed execution time
+};
+
+OnednnTally tally_onednn_verbose(const std::string& out) {
+  OnednnTally t;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("_verbose,exec,") == std::string::npos) continue;
+    std::vector<std::string> fields;
+    std::istringstream in(line);
+    for (std::string field; std::getline(in, field, ',');) fields.push_back(field);
+    if (fields.size() < 5) continue;
+    const std::string& kind = fields[3];
+    ++t.count[kind];
+    try {
+      t.ms[kind] += std::stod(fields.back());
+    } catch (const std::exception&) {
+    }
+  }
+  return t;
+}
+
+// Per training step: the same worker traced with 2 and 2 + k timed steps (same warm-up, inference and
+// latency runs), so the difference is k training steps and nothing else.
+int run_onednn_counts(const Flags& f) {
+  constexpr int64_t kShort = 2, kLong = 6;
+  std::cout << fmt::format("oneDNN primitive executions per training step (ONEDNN_VERBOSE=1, batch {}, "
+                           "difference of {} and {} timed steps):\n",
+                           f.batch_size, kLong, kShort);
+  std::cout << fmt::format("{:<16} {:>14} {:>10} {:>12} {:>10} {:>12}\n", "configuration", "conv / step",
+                           "conv ms", "reorder / step", "reorder ms", "other / step");
+  nlohmann::json summary = {{"onednn_counts", true}, {"batch_size", f.batch_size}};
+  for (const auto& config : f.configs) {
+    if (is_peer(config)) continue;  // Python peers: run them under ONEDNN_VERBOSE=1 by hand
+    auto traced = [&](int64_t steps) {
+      Flags g = f;
+      g.steps = steps;
+      g.infer_batches = 1;
+      g.latency_runs = 1;
+      return tally_onednn_verbose(run_capture("ONEDNN_VERBOSE=1 DNNL_VERBOSE=1 " + worker_command(g, config)));
+    };
+    const OnednnTally a = traced(kShort), b = traced(kLong);
+    auto per_step = [&](const std::map<std::string, int64_t>& ca, const std::map<std::string, int64_t>& cb,
+                        const std::string& kind) {
+      const auto ia = ca.find(kind), ib = cb.find(kind);
+      return double((ib == cb.end() ? 0 : ib->second) - (ia == ca.end() ? 0 : ia->second)) / (kLong - kShort);
+    };
+    auto ms_per_step = [&](const std::string& kind) {
+      const auto ia = a.ms.find(kind), ib = b.ms.find(kind);
+      return ((ib == b.ms.end() ? 0 : ib->second) - (ia == a.ms.end() ? 0 : ia->second)) / (kLong - kShort);
+    };
+    double other = 0;
+    nlohmann::json other_kinds = nlohmann::json::object();
+    for (const auto& [kind, n] : b.count)
+      if (kind != "convolution" && kind != "reorder") {
+        other += per_step(a.count, b.count, kind);
+        other_kinds[kind] = per_step(a.count, b.count, kind);
+      }
+    const double conv = per_step(a.count, b.count, "convolution"), reorder = per_step(a.count, b.count, "reorder");
+    summary["configs"][config] = {{"convolution_per_step", conv}, {"convolution_ms_per_step", ms_per_step("convolution")},
+                                  {"reorder_per_step", reorder}, {"reorder_ms_per_step", ms_per_step("reorder")},
+                                  {"other_per_step", other}, {"other_kinds_per_step", other_kinds}};
+    std::cout << fmt::format("{:<16} {:>14.1f} {:>10.1f} {:>12.1f} {:>10.1f} {:>12.1f}\n", config, conv,
+                             ms_per_step("convolution"), reorder, ms_per_step("reorder"), other);
+  }
+  std::cout << summary.dump() << std::endl;
+  return 0;
 }
 
 int run_one(const Flags& f) {
@@ -118,9 +210,9 @@ int run_all(const Flags& f) {
     jsonl = std::make_unique<std::ofstream>(f.jsonl, std::ios::app);
     if (!*jsonl) throw std::runtime_error("bench: cannot open " + f.jsonl + " for writing");
   }
-  if (std::find(f.configs.begin(), f.configs.end(), "peer") != f.configs.end() && access(f.python.c_str(), X_OK) != 0)
+  if (std::any_of(f.configs.begin(), f.configs.end(), is_peer) && access(f.python.c_str(), X_OK) != 0)
     throw std::runtime_error(fmt::format("bench: the peer needs Debian's python3 with python3-torch at {} "
-                                         "(--python), or leave it out with --configs fused,reference",
+                                         "(--python), or leave the peers out with --configs fused,reference",
                                          f.python));
   // The machine's practical peak in this run's conditions: the same threads, the same moment.
   const bool bf16 = nn::cpu_has_native_bf16();
@@ -137,8 +229,9 @@ int run_all(const Flags& f) {
                            f.steps, at::get_num_threads(), f.repeats, fmt::join(f.configs, ", "));
   for (int rep = 1; rep <= f.repeats; ++rep)
     for (const auto& config : f.configs) {
-      std::cerr << fmt::format("bench: repeat {}/{} {:<9} ", rep, f.repeats, config) << std::flush;
+      std::cerr << fmt::format("bench: repeat {}/{} {:<15} ", rep, f.repeats, config) << std::flush;
       auto j = run_worker(worker_command(f, config));
+      j["config"] = config;  // the name it was asked for, whatever the worker calls itself
       j["repeat"] = rep;
       for (const char* m : kMetrics) samples[config][m].push_back(j.at(m).get<double>());
       std::cerr << fmt::format("train {:6.1f} img/s  infer {:6.1f} img/s  batch-1 {:6.2f} ms  train peak RSS {:6.0f} MB\n",
@@ -171,7 +264,8 @@ int run_all(const Flags& f) {
   std::cout << fmt::format("{:<50} {:>11} {:>8} {:>11} {:>8}\n", "configuration", "train", "% peak", "infer",
                            "% peak");
   for (const auto& config : f.configs) {
-    const double peak = config == "fused-bf16" ? peak_bf16 : peak_fp32;
+    const bool bf16_config = config.size() > 5 && config.compare(config.size() - 5, 5, "-bf16") == 0;
+    const double peak = bf16_config ? peak_bf16 : peak_fp32;
     const double train = 3 * flops * median(samples[config]["train_img_s"]) / 1e9;
     const double infer = flops * median(samples[config]["infer_img_s"]) / 1e9;
     summary["gflops"][config] = {{"train", train}, {"infer", infer}, {"peak", peak}};
@@ -196,8 +290,11 @@ int run_all(const Flags& f) {
   };
   std::cout << '\n';
   ratios("fused-bf16", "fused");
+  ratios("fused-bf16", "peer-tuned-bf16");
+  ratios("fused", "peer-tuned");
   ratios("fused-bf16", "peer");
   ratios("fused", "peer");
+  ratios("peer-tuned", "peer");
   ratios("fused", "reference");
   ratios("reference", "peer");
   if (jsonl) *jsonl << summary.dump() << '\n';
@@ -211,9 +308,10 @@ Subcommand add_bench(CLI::App& root) {
   auto* app = root.add_subcommand(
       "bench", "Training/inference speed, batch-1 latency and peak memory: fused op vs composite routing vs the "
                "plain-PyTorch peer, side by side (synthetic data; each run in its own process)");
-  app->add_option("--configs", f->configs, "Which to run, comma-separated: fused, reference, peer")
+  app->add_option("--configs", f->configs,
+                  "Which to run, comma-separated: fused, fused-bf16, reference, peer, peer-tuned, peer-tuned-bf16")
       ->delimiter(',')
-      ->check(CLI::IsMember({"fused", "fused-bf16", "reference", "peer"}))
+      ->check(CLI::IsMember({"fused", "fused-bf16", "reference", "peer", "peer-tuned", "peer-tuned-bf16"}))
       ->capture_default_str();
   app->add_option("--repeats", f->repeats, "Interleaved repeats; medians are reported")
       ->check(CLI::PositiveNumber)
@@ -232,15 +330,20 @@ Subcommand add_bench(CLI::App& root) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app->add_option("--python", f->python, "Python with PyTorch for the peer")->capture_default_str();
-  app->add_option("--peer-script", f->peer_script, "The peer's script")->capture_default_str();
+  app->add_option("--peer-script", f->peer_script, "The naive peer's script")->capture_default_str();
+  app->add_option("--tuned-peer-script", f->tuned_peer_script, "The tuned peer's script")->capture_default_str();
   app->add_option("--jsonl", f->jsonl, "Append every run and the summary as JSON lines to this file");
+  app->add_flag("--onednn-counts", f->onednn_counts,
+                "Instead of timing: count oneDNN primitive executions (convolutions, reorders) per training step "
+                "of each capsnet configuration, from ONEDNN_VERBOSE=1");
   app->add_option("--worker", f->worker, "(internal) run one configuration and print one JSON line")
       ->check(CLI::IsMember({"fused", "fused-bf16", "reference"}))
       ->group("");
   add_threads_flag(*app, f->threads);
   return {app, [f]() {
             if (f->threads > 0) set_threads(f->threads);
-            return f->worker.empty() ? run_all(*f) : run_one(*f);
+            if (!f->worker.empty()) return run_one(*f);
+            return f->onednn_counts ? run_onednn_counts(*f) : run_all(*f);
           }};
 }
 
