@@ -33,6 +33,7 @@ Subcommand add_serve(CLI::App& root);
 Subcommand add_segcaps(CLI::App& root);
 Subcommand add_stn(CLI::App& root);
 Subcommand add_em(CLI::App& root);
+Subcommand add_capspix2pix(CLI::App& root);
 Subcommand add_folder(CLI::App& root);
 
 /// Flags shared by the subcommands that compute: --threads.

@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
       capsnet::apps::cli::add_affine(app),     capsnet::apps::cli::add_ablation(app), capsnet::apps::cli::add_bench(app),
       capsnet::apps::cli::add_report(app),     capsnet::apps::cli::add_export(app),   capsnet::apps::cli::add_serve(app),
       capsnet::apps::cli::add_segcaps(app),    capsnet::apps::cli::add_stn(app),      capsnet::apps::cli::add_em(app),
-      capsnet::apps::cli::add_folder(app)};
+      capsnet::apps::cli::add_folder(app),    capsnet::apps::cli::add_capspix2pix(app)};
 
   capsnet::apps::cli::apply_numeric_limits(app);
   bool verbose = false;

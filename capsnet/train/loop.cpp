@@ -202,8 +202,13 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
 
   torch::manual_seed(options.seed);
   auto model = task.build_model(options.precision);
-  torch::optim::Adam optimizer(model->parameters(),
-                               torch::optim::AdamOptions(options.lr).weight_decay(options.weight_decay));
+  if (group && task.steps_itself())
+    throw std::invalid_argument(
+        fmt::format("{}: this task makes its own optimizer updates and runs in one process only", task.name()));
+  std::unique_ptr<torch::optim::Optimizer> optimizer = task.make_optimizer(*model, options);
+  if (!optimizer)
+    optimizer = std::make_unique<torch::optim::Adam>(
+        model->parameters(), torch::optim::AdamOptions(options.lr).weight_decay(options.weight_decay));
   const std::string ckpt = checkpoint_path(options.out_dir);
 
   int64_t step = 0;
@@ -213,7 +218,7 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
     if (saved_options.is_object() && !saved_options.contains("lr_schedule"))
       saved_options["lr_schedule"] = "exponential";  // checkpoints from before the option had only this one
     check_resume_compatible(saved_options, options_json, resume_keys, options.resume);
-    step = load_checkpoint(options.resume, *model, &optimizer, [&](const nlohmann::json& saved) {
+    step = load_checkpoint(options.resume, *model, optimizer.get(), [&](const nlohmann::json& saved) {
              return task.config_matches(saved);
            }).step;
     log << fmt::format("resumed from {} at step {}\n", options.resume, step);
@@ -260,7 +265,7 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
     if (!all_finite(model->parameters()))
       throw TrainingDiverged(
           fmt::format("{}: weights are not finite at step {}; not saving. {}", task.name(), at_step, last_good()));
-    if (lead) save_checkpoint(ckpt, *model, &optimizer, {at_step, task.model_config(), options_json});
+    if (lead) save_checkpoint(ckpt, *model, optimizer.get(), {at_step, task.model_config(), options_json});
     result.checkpoint = ckpt;
     last_saved = at_step;
     metrics.write({{"event", "checkpoint"}, {"step", at_step}, {"path", ckpt}});
@@ -309,9 +314,11 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
     }
 
     const double lr = options.learning_rate(step, total_steps, schedule.epochs_done(step));
-    for (auto& g : optimizer.param_groups()) static_cast<torch::optim::AdamOptions&>(g.options()).lr(lr);
+    for (auto& g : optimizer->param_groups()) g.options().set_lr(lr);
 
-    auto loss = task.loss(rows);
+    // A task that steps itself has already updated the weights here; the guard below still stops the
+    // run before the next checkpoint, and save() refuses non-finite weights.
+    auto loss = task.steps_itself() ? task.train_step(rows, *optimizer) : task.loss(rows);
     double loss_value = loss.total.item<double>();
     std::vector<std::pair<std::string, double>> scalars;
     for (const auto& [name, t] : loss.scalars) scalars.emplace_back(name, t.item<double>());
@@ -328,16 +335,23 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
     if (!std::isfinite(loss_value))
       throw TrainingDiverged(fmt::format("{}: loss is {} at step {} (epoch {}); stopping. {}", task.name(), loss_value,
                                          step, epoch + 1, last_good()));
-    optimizer.zero_grad();
-    if (group) {
+    if (task.steps_itself()) {
+      for (const auto& [name, v] : scalars)
+        if (!std::isfinite(v))
+          throw TrainingDiverged(fmt::format("{}: {} is {} at step {} (epoch {}); stopping. {}", task.name(), name, v,
+                                             step, epoch + 1, last_good()));
+    } else if (group) {
+      optimizer->zero_grad();
       // The loss is a mean over this rank's b rows; weighting it by b * W / B before the average
       // over W ranks gives sum_r (b_r / B) grad_r, the gradient of the mean over the global batch.
       (loss.total * (static_cast<double>(rows.size()) * world / len)).backward();
       reducer->average();
+      optimizer->step();
     } else {
+      optimizer->zero_grad();
       loss.total.backward();
+      optimizer->step();
     }
-    optimizer.step();
     ++step;
 
     run_seconds += seconds_since(t0);

@@ -22,6 +22,7 @@
 namespace capsnet::train {
 
 class ProcessGroup;  // distributed.h
+struct LoopOptions;
 
 /// Thrown when the loss or a weight stops being finite; the last good checkpoint is kept.
 class TrainingDiverged : public std::runtime_error {
@@ -86,6 +87,22 @@ class Task {
   virtual Batch batch(const torch::Tensor& ids, at::Generator& gen) const = 0;
   /// Training forward pass and loss on this process's rows of the batch.
   virtual TaskLoss loss(const Batch& rows) = 0;
+  /// The optimizer (built once, after build_model; the loop sets every parameter group's learning rate
+  /// each step, checkpoints and restores its state). Default nullptr: Adam over all the model's
+  /// parameters with options.lr and options.weight_decay.
+  virtual std::unique_ptr<torch::optim::Optimizer> make_optimizer(torch::nn::Module& /*model*/,
+                                                                  const LoopOptions& /*options*/) {
+    return nullptr;
+  }
+  /// true: the loop calls train_step instead of loss + backward + one optimizer step, for tasks whose
+  /// step is several updates of parts of the model (a GAN's discriminator, then its generator).
+  /// Such tasks run in one process only (no gradient averaging between their updates).
+  virtual bool steps_itself() const { return false; }
+  /// Only when steps_itself(): runs this step's backward passes and optimizer updates on `rows` and
+  /// returns the (detached) loss and scalars to log; the NaN guard checks total and every scalar.
+  virtual TaskLoss train_step(const Batch& /*rows*/, torch::optim::Optimizer& /*optimizer*/) {
+    throw std::logic_error(name() + ": steps_itself() is true but train_step is not implemented");
+  }
   /// Held-out evaluation, run at epoch ends and at the end; nullopt when there is nothing to evaluate.
   /// `progress` (may be null) gets a progress bar.
   virtual std::optional<Evaluation> evaluate(std::ostream* /*progress*/) { return std::nullopt; }

@@ -1,0 +1,189 @@
+// capsnet capspix2pix: conditional image synthesis (label map -> image) with a capsule generator
+// (CapsPix2pix, Bass et al. 2019) or the pix2pix CNN U-net, one PatchGAN discriminator (docs/capspix2pix.md).
+#include "capsnet/train/capspix2pix.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+#include "capsnet/data/label_maps.h"
+#include "capsnet/data/mnist.h"
+#include "capsnet/models/capsnet.h"
+#include "capsnet/viz/png.h"
+#include "apps/cli/commands.h"
+#include "apps/cli/loop_flags.h"
+
+namespace capsnet::apps::cli {
+namespace {
+
+int64_t count(const std::vector<torch::Tensor>& params) {
+  int64_t n = 0;
+  for (const auto& p : params) n += p.numel();
+  return n;
+}
+
+}  // namespace
+
+Subcommand add_capspix2pix(CLI::App& root) {
+  struct Flags {
+    train::Pix2pixTrainOptions o;
+    data::LabelMapOptions maps;
+    DataFlags data;
+    uint64_t test_seed = 1001;
+    int64_t figure_rows = 8;
+    double max_minutes = 0;
+    bool composite_routing = false;
+    std::string compare_with;  // another run's checkpoint.pt, drawn beside this one in the figures
+    LoopFlags loop;
+  };
+  auto f = std::make_shared<Flags>();
+  f->data.dataset = "fashion-mnist";
+  auto* app = root.add_subcommand(
+      "capspix2pix",
+      "Train a conditional GAN (label map -> image) with a capsule U-net generator (CapsPix2pix) or the pix2pix "
+      "CNN U-net, PatchGAN discriminator, GAN + lambda L1; reports L1, PSNR, SSIM and diversity on held-out maps "
+      "(writes capspix2pix.json, capspix2pix_*.png, metrics.jsonl, checkpoint.pt in --out)");
+  app->add_option("--generator", f->o.model.generator, "Generator: caps (CapsPix2pix) or cnn (pix2pix U-net)")
+      ->check(CLI::IsMember({"caps", "cnn"}))
+      ->capture_default_str();
+  add_data_flags(*app, f->data);
+  app->add_option("--out", f->o.out_dir, "Output directory")->capture_default_str();
+  app->add_option("--steps", f->o.steps, "Training steps (each: one D and one G update on newly generated maps)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--batch-size", f->o.batch_size, "Training batch size")->capture_default_str();
+  app->add_option("--lr", f->o.lr, "Adam learning rate of both networks (beta1 = 0.5)")->capture_default_str();
+  app->add_option("--seed", f->o.seed, "Seed of the initialisation, the training maps and the training noise")
+      ->capture_default_str();
+  app->add_option("--test-seed", f->test_seed, "Seed of the held-out maps (from the test split)")
+      ->capture_default_str();
+  app->add_option("--test-size", f->o.test_size, "Held-out maps to score")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--routing-iters", f->o.model.routing_iterations, "Routing iterations r in the capsule layers")
+      ->capture_default_str();
+  app->add_option("--recon-weight", f->o.model.l1_weight, "Weight lambda of the L1 term (pix2pix: 100)")
+      ->capture_default_str();
+  app->add_option("--max-minutes", f->max_minutes,
+                  "Wall-clock training budget in minutes (0 = none); the model is evaluated where it stopped")
+      ->capture_default_str();
+  app->add_option("--log-every", f->o.log_every, "Steps between metrics records")->capture_default_str();
+  app->add_option("--checkpoint-every", f->o.checkpoint_every, "Steps between checkpoints (0 = at the end)")
+      ->capture_default_str();
+  app->add_option("--figure-rows", f->figure_rows, "Held-out maps in capspix2pix_compare.png (0 = no figures)")
+      ->capture_default_str();
+  app->add_option("--compare-with", f->compare_with,
+                  "Checkpoint of another capspix2pix run, drawn beside this one in the figures "
+                  "(label | pix2pix | CapsPix2pix | real)");
+  app->add_flag("--composite-routing", f->composite_routing,
+                "Route with the composite ATen path instead of the fused operator (same math)");
+  add_loop_flags(*app, f->loop);
+
+  return {app, [f]() {
+            auto& o = f->o;
+            o.progress = !f->loop.no_progress;
+            o.resume = f->loop.resume;
+            o.max_seconds = 60 * f->max_minutes;
+            o.fused_routing = !f->composite_routing;
+            o.model.image_size = f->maps.size;
+            o.validate();  // before loading the data
+            return run_training_command(f->loop, o.out_dir, o.batch_size, [f](auto group) {
+              if (group) throw std::invalid_argument("capspix2pix runs in one process only (--nproc 1)");
+              const auto t_start = std::chrono::steady_clock::now();
+              auto& o = f->o;
+              std::optional<models::Pix2pix> other;
+              if (!f->compare_with.empty()) other = train::load_pix2pix(f->compare_with);  // fail before training
+              data::LabelMaps train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.seed, f->maps);
+              data::LabelMaps test_set(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_seed, f->maps);
+
+              auto result = train::train_pix2pix(o, train_set, test_set, std::cout);
+              auto& model = result.model;
+              const auto& t = result.test;
+              std::cout << fmt::format(
+                  "{} generator, test ({} maps): L1 {:.4f} PSNR {:.2f} dB SSIM {:.4f}; diversity across z {:.4f}\n",
+                  o.model.generator, t.examples, t.l1, t.psnr, t.ssim, t.diversity);
+
+              nlohmann::json summary = {
+                  {"task", "capspix2pix"},
+                  {"generator", o.model.generator},
+                  {"model", o.model.to_json()},
+                  {"generator_parameters", count(model->generator_parameters())},
+                  {"discriminator_parameters", count(model->discriminator_parameters())},
+                  {"routing", f->composite_routing ? "composite" : "fused"},
+                  {"data",
+                   {{"dataset", f->data.dataset},
+                    {"dir", f->data.resolved()},
+                    {"size", f->maps.size},
+                    {"object_threshold", f->maps.object_threshold},
+                    {"flip", f->maps.flip},
+                    {"classes", "0 background, 1 interior, 2 edge"}}},
+                  {"train_seed", o.seed},
+                  {"test_seed", f->test_seed},
+                  {"eval_seed", o.eval_seed},
+                  {"steps", result.steps},
+                  {"steps_requested", o.steps},
+                  {"max_minutes", f->max_minutes},
+                  {"batch_size", o.batch_size},
+                  {"lr", o.lr},
+                  {"beta1", o.beta1},
+                  {"l1_weight", o.model.l1_weight},
+                  {"images_seen", result.steps * o.batch_size},
+                  {"train_seconds", result.seconds},
+                  {"train_images_per_second", result.images_per_second},
+                  {"threads", at::get_num_threads()},
+                  {"test",
+                   {{"maps", t.examples},
+                    {"l1", t.l1},
+                    {"psnr_db", t.psnr},
+                    {"ssim", t.ssim},
+                    {"diversity", t.diversity},
+                    {"diversity_maps", o.diversity_maps},
+                    {"diversity_samples", o.diversity_samples},
+                    {"definitions",
+                     "images mapped to [0, 1]; L1 = mean |G(x, z) - y|; PSNR = 10 log10(1 / MSE) per image; SSIM: "
+                     "11x11 Gaussian window (sigma 1.5), mean over the map; all averaged over the test maps, z fixed "
+                     "by eval_seed; diversity = mean pairwise L1 of diversity_samples images of one map (different "
+                     "z), averaged over diversity_maps maps"}}},
+                  {"model_file", train::checkpoint_path(o.out_dir)}};
+
+              if (f->figure_rows > 0) {
+                // Column order as in the seed deck: pix2pix before CapsPix2pix.
+                std::vector<models::Pix2pix> models{model};
+                if (other) {
+                  if ((*other)->config.image_size != o.model.image_size)
+                    throw std::invalid_argument("--compare-with: that model has another image size");
+                  if ((*other)->config.generator == "cnn") models.insert(models.begin(), *other);
+                  else models.push_back(*other);
+                  summary["compared_with"] = f->compare_with;
+                }
+                std::string names;
+                for (const auto& m : models) names += (m->config.generator == "caps" ? "CapsPix2pix" : "pix2pix") + std::string(" | ");
+                auto write = [&](const std::string& name, const torch::Tensor& figure, const std::string& what) {
+                  const std::string png = o.out_dir + "/" + name;
+                  viz::write_png_gray(png, figure);
+                  summary["figures"][name] = what;
+                  std::cout << fmt::format("wrote {} ({}x{} px)\n", png, figure.size(1), figure.size(0));
+                };
+                write("capspix2pix_compare.png",
+                      train::pix2pix_comparison_figure(models, test_set, 0, f->figure_rows, o.eval_seed),
+                      "one row per held-out map: label | " + names + "real");
+                write("capspix2pix_variations.png",
+                      train::pix2pix_variations_figure(models, test_set, 0, 8, o.eval_seed),
+                      "one row per model (" + names + "): label of held-out map 0 | 8 samples, different z");
+                write("capspix2pix_interpolation.png",
+                      train::pix2pix_interpolation_figure(models, test_set, 0, 8, o.eval_seed),
+                      "one row per model (" + names + "): label of held-out map 0 | z = (1 - t) z1 + t z2, t = 0..1");
+              }
+              summary["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+              const std::string json_path = o.out_dir + "/capspix2pix.json";
+              write_text_file(json_path, summary.dump(2) + "\n");
+              std::cout << fmt::format("wrote {}\n", json_path);
+              return 0;
+            });
+          }};
+}
+
+}  // namespace capsnet::apps::cli
