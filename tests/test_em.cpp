@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fmt/format.h>
+
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +16,7 @@
 #include "capsnet/models/matrix_capsnet.h"
 #include "capsnet/nn/em_routing.h"
 #include "capsnet/nn/matrix_caps.h"
+#include "capsnet/train/checkpoint.h"
 #include "capsnet/train/em.h"
 #include "gradcheck.h"
 #include "test_helpers.h"
@@ -41,6 +45,15 @@ RoutingInputs make_inputs(int64_t B, int64_t I, int64_t J, int64_t D, uint64_t s
   return in;
 }
 
+models::MatrixCapsNetConfig tiny_em_config() {
+  models::MatrixCapsNetConfig c;
+  c.conv1_channels = 8;
+  c.primary_types = 4;
+  c.conv1_caps_types = 4;
+  c.conv2_caps_types = 4;
+  return c;
+}
+
 void expect_close(const torch::Tensor& a, const torch::Tensor& b, double tol, const std::string& what) {
   ASSERT_EQ(a.sizes(), b.sizes()) << what;
   const double diff = (a - b).abs().max().item<double>();
@@ -49,15 +62,28 @@ void expect_close(const torch::Tensor& a, const torch::Tensor& b, double tol, co
 
 TEST(EmRouting, FastMatchesReferenceValuesAndGradientsFloat64) {
   ScopedThreads one(1);
-  for (const bool normalize : {false, true}) {
+  struct Case {
+    bool normalize, outside;
+    std::vector<double> lambdas;
+    const char* tag;
+  };
+  const std::vector<Case> cases = {
+      {false, false, inverse_temperature_schedule(3, 0.5, 2.0), "paper cost, lambda 0.5->2, offset inside"},
+      {true, false, inverse_temperature_schedule(3, 0.5, 2.0), "normalized cost, lambda 0.5->2, offset inside"},
+      {false, true, inverse_temperature_schedule(3, 0.5, 2.0), "paper cost, lambda 0.5->2, offset outside"},
+      {false, true, paper_inverse_temperature_schedule(3, 5.0), "paper cost, paper schedule x5, offset outside"},
+      {true, true, {}, "normalized cost, default (paper) schedule, offset outside"},
+  };
+  for (const auto& c : cases) {
     EmRoutingOptions opt;
     opt.iterations = 3;
-    opt.inverse_temperature = inverse_temperature_schedule(3, 0.5, 2.0);
-    opt.normalize_cost = normalize;
+    opt.inverse_temperature = c.lambdas;
+    opt.normalize_cost = c.normalize;
+    opt.logit_offset_outside_lambda = c.outside;
     auto in = make_inputs(2, 5, 3, 4, 7, true);
     auto fast = em_routing(in.votes, in.a, in.beta_u, in.beta_a, opt);
     auto ref = detail::reference_em_routing(in.votes, in.a, in.beta_u, in.beta_a, opt);
-    const std::string tag = normalize ? "normalized cost" : "paper cost";
+    const std::string tag = c.tag;
     expect_close(fast.poses, ref.poses, 1e-10, tag + " poses");
     expect_close(fast.activations, ref.activations, 1e-10, tag + " activations");
 
@@ -93,8 +119,13 @@ TEST(EmRouting, GradcheckFloat64) {
     auto r = em_routing(x[0], x[1], x[2], x[3], opt);
     return torch::cat({r.poses.flatten(), r.activations.flatten()});
   };
+  opt.logit_offset_outside_lambda = false;
   EXPECT_TRUE(testutil::gradcheck(fn, in.all()));
   opt.normalize_cost = true;
+  EXPECT_TRUE(testutil::gradcheck(fn, in.all()));
+  opt.logit_offset_outside_lambda = true;
+  EXPECT_TRUE(testutil::gradcheck(fn, in.all()));
+  opt.inverse_temperature = {};  // the default: the paper's schedule
   EXPECT_TRUE(testutil::gradcheck(fn, in.all()));
 }
 
@@ -120,22 +151,87 @@ TEST(EmRouting, ActivationsInOpenUnitIntervalAndFinite) {
 
 TEST(EmRouting, OneParentGetsEveryChildWithCouplingOne) {
   // With J = 1 the E-step gives R_i1 = 1, so mu is the a-weighted mean of the votes after any number
-  // of iterations, and sigma^2 their a-weighted variance (checked through the activation).
+  // of iterations, and sigma^2 their a-weighted variance (checked through the activation, with the
+  // default options: the paper's lambda schedule, logit offset outside lambda).
   ScopedThreads one(1);
   auto in = make_inputs(2, 6, 1, 4, 9, false);
   for (int64_t iters : {1, 3}) {
     EmRoutingOptions opt;
     opt.iterations = iters;
+    const double lambda = 0.01 * (1 - std::pow(0.95, double(iters)));  // lambda of the last iteration
     auto r = em_routing(in.votes, in.a, in.beta_u, in.beta_a, opt);
     auto w = in.a.unsqueeze(2).unsqueeze(3);                       // [B, I, 1, 1]
     auto mu = (w * in.votes).sum(1) / (w.sum(1) + opt.mass_eps);   // [B, 1, D]
     auto var = (w * (in.votes - mu.unsqueeze(1)).pow(2)).sum(1) / (w.sum(1) + opt.mass_eps) + opt.variance_eps;
     auto mass = in.a.sum(1, true);                                 // [B, 1]
     auto cost = ((in.beta_u.view({1, 1, 1}) + 0.5 * var.log()) * mass.unsqueeze(2)).sum(2);
-    auto act = torch::sigmoid(in.beta_a.view({1, 1}) - cost);
+    auto act = torch::sigmoid(in.beta_a.view({1, 1}) - lambda * cost);
     expect_close(r.poses, mu, 1e-12, "poses");
     expect_close(r.activations, act, 1e-12, "activations");
   }
+}
+
+TEST(EmRouting, PaperScheduleIsTheDefault) {
+  // lambda_t = 0.01 (1 - 0.95^(t+1)), t = 0, 1, 2 (the authors' answer to the ICLR reviews).
+  const auto l = paper_inverse_temperature_schedule(3);
+  ASSERT_EQ(l.size(), 3u);
+  EXPECT_NEAR(l[0], 0.0005, 1e-15);
+  EXPECT_NEAR(l[1], 0.000975, 1e-15);
+  EXPECT_NEAR(l[2], 0.00142625, 1e-15);
+  EXPECT_NEAR(paper_inverse_temperature_schedule(1, 2.0)[0], 0.1, 1e-15);
+  ScopedThreads one(1);
+  auto in = make_inputs(2, 5, 3, 4, 8, false);
+  EmRoutingOptions defaults, explicit_paper;
+  explicit_paper.inverse_temperature = l;
+  explicit_paper.logit_offset_outside_lambda = true;
+  EXPECT_TRUE(defaults.logit_offset_outside_lambda);
+  EXPECT_FALSE(defaults.child_log_total);
+  auto a = em_routing(in.votes, in.a, in.beta_u, in.beta_a, defaults);
+  auto b = em_routing(in.votes, in.a, in.beta_u, in.beta_a, explicit_paper);
+  expect_close(a.poses, b.poses, 0, "poses");
+  expect_close(a.activations, b.activations, 0, "activations");
+}
+
+TEST(EmRouting, LogitOffsetOutsideLambdaGivesBetaAItsOwnScale) {
+  // J = 1 (R = 1): a = logistic(beta_a - lambda cost) outside, logistic(lambda (beta_a - cost)) inside.
+  // d a / d beta_a = a (1 - a) outside, lambda a (1 - a) inside: with lambda ~ 1e-3 Adam's normalised
+  // steps on beta_a hardly move a (the issue's "beta_a barely moves").
+  ScopedThreads one(1);
+  auto in = make_inputs(1, 6, 1, 4, 10, false);
+  const double lambda = 0.002;
+  for (const bool outside : {true, false}) {
+    EmRoutingOptions opt;
+    opt.iterations = 1;
+    opt.inverse_temperature = {lambda};
+    opt.logit_offset_outside_lambda = outside;
+    auto beta_a = in.beta_a.clone().requires_grad_(true);
+    auto r = em_routing(in.votes, in.a, in.beta_u, beta_a, opt);
+    auto w = in.a.unsqueeze(2).unsqueeze(3);
+    auto mu = (w * in.votes).sum(1) / (w.sum(1) + opt.mass_eps);
+    auto var = (w * (in.votes - mu.unsqueeze(1)).pow(2)).sum(1) / (w.sum(1) + opt.mass_eps) + opt.variance_eps;
+    auto cost = ((in.beta_u.view({1, 1, 1}) + 0.5 * var.log()) * in.a.sum(1, true).unsqueeze(2)).sum(2);  // [1, 1]
+    auto logit = outside ? in.beta_a.view({1, 1}) - lambda * cost : lambda * (in.beta_a.view({1, 1}) - cost);
+    expect_close(r.activations, torch::sigmoid(logit), 1e-12, outside ? "outside" : "inside");
+    r.activations.sum().backward();
+    const double a = r.activations.item<double>();
+    EXPECT_NEAR(beta_a.grad().item<double>(), (outside ? 1.0 : lambda) * a * (1 - a), 1e-12);
+  }
+}
+
+TEST(EmRouting, ChildLogTotalHookWithLogsumexpEqualsTheDefault) {
+  // The hook's contract: logsumexp over j is exactly the per-problem normalisation.
+  ScopedThreads one(1);
+  auto in = make_inputs(2, 5, 3, 4, 12, true);
+  EmRoutingOptions plain, hooked;
+  hooked.child_log_total = [](const torch::Tensor& log_weights) { return log_weights.logsumexp(2, true); };
+  plain.inverse_temperature = hooked.inverse_temperature = {0.5, 1.0, 1.5};
+  auto a = em_routing(in.votes, in.a, in.beta_u, in.beta_a, plain);
+  auto b = em_routing(in.votes, in.a, in.beta_u, in.beta_a, hooked);
+  expect_close(a.poses, b.poses, 1e-12, "poses");
+  expect_close(a.activations, b.activations, 1e-12, "activations");
+  auto ga = torch::autograd::grad({a.poses.sum() + a.activations.sum()}, in.all());
+  auto gb = torch::autograd::grad({b.poses.sum() + b.activations.sum()}, in.all());
+  for (size_t k = 0; k < ga.size(); ++k) expect_close(ga[k], gb[k], 1e-10, "gradient " + std::to_string(k));
 }
 
 TEST(EmRouting, IdenticalVotesGiveZeroVarianceWithoutNan) {
@@ -193,6 +289,12 @@ TEST(EmRouting, BadInputThrowsNamingTheArgument) {
   bad.inverse_temperature = {1.0, 2.0};
   expect_throw([&] { em_routing(in.votes, in.a, in.beta_u, in.beta_a, bad); }, "inverse_temperature");
   expect_throw([&] { inverse_temperature_schedule(0, 1, 1); }, "iterations");
+  expect_throw([&] { paper_inverse_temperature_schedule(0); }, "iterations");
+  expect_throw([&] { paper_inverse_temperature_schedule(3, 0.0); }, "base");
+  EmRoutingOptions with_normaliser;
+  with_normaliser.child_log_total = [](const torch::Tensor& x) { return x.logsumexp(2, true); };
+  expect_throw([&] { detail::reference_em_routing(in.votes, in.a, in.beta_u, in.beta_a, with_normaliser); },
+               "child_log_total");
   expect_throw([&] { spread_loss(torch::rand({2, 3}), torch::tensor({0, 3}, torch::kLong), 0.5); }, "labels");
   expect_throw([&] { spread_loss(torch::rand({2}), torch::tensor({0, 1}, torch::kLong), 0.5); }, "activations");
   expect_throw([&] { spread_loss(torch::rand({2, 3}), torch::tensor({0, 1}, torch::kLong), -0.1); }, "margin");
@@ -321,6 +423,215 @@ TEST(MatrixCaps, ConvCapsGradcheckFloat64) {
   EXPECT_TRUE(testutil::gradcheck(fn, {poses, acts, weight}, go));
 }
 
+// The global index of child i of window w (ConvMatrixCaps::votes order) in an N x H x W x B_in grid.
+int64_t global_child(const nn::WindowGeometry& g, int64_t w, int64_t i) {
+  const int64_t Ho = g.out_height(), Wo = g.out_width(), K = g.kernel, Bin = g.in_types;
+  const int64_t n = w / (Ho * Wo), oy = (w / Wo) % Ho, ox = w % Wo;
+  const int64_t ky = i / (K * Bin), kx = (i / Bin) % K, b = i % Bin;
+  return ((n * g.height + oy * g.stride + ky) * g.width + ox * g.stride + kx) * Bin + b;
+}
+
+TEST(MatrixCaps, CrossWindowRSumsToOnePerChildAcrossWindows) {
+  // R = exp(log_weights - cross_window_child_log_total): summed over every parent of every window that
+  // contains a child it is 1, for every child a window covers (border children belong to fewer
+  // windows; the last column of a 7x6 grid with K = 3, s = 2 belongs to none). The initial R
+  // (log weights 0) is 1 / (windows containing the child x C). Log weights differ by hundreds between
+  // windows, which a shift that were not per child would turn into 0 / 0.
+  ScopedThreads one(1);
+  torch::manual_seed(13);
+  const int64_t C = 3;
+  for (const auto& [H, W, K, s] : std::vector<std::array<int64_t, 4>>{{6, 6, 3, 1}, {7, 6, 3, 2}, {5, 5, 2, 1}}) {
+    nn::WindowGeometry g;
+    g.batch = 2, g.height = H, g.width = W, g.in_types = 2, g.kernel = K, g.stride = s;
+    const int64_t windows = g.batch * g.out_height() * g.out_width(), I = K * K * g.in_types;
+    const std::string tag = fmt::format("{}x{} K={} s={}", H, W, K, s);
+    for (const auto dtype : {torch::kDouble, torch::kFloat}) {
+      auto log_weights = 3 * torch::randn({windows, I, C}, dtype) + 300 * torch::randn({windows, 1, 1}, dtype);
+      auto R = torch::exp(log_weights - nn::cross_window_child_log_total(log_weights, g)).to(torch::kDouble);
+      // [windows, I, 1]: the same share for every parent of a window
+      auto R0 = torch::exp(-nn::cross_window_child_log_total(torch::zeros({windows, I, C}, dtype), g)).to(torch::kDouble);
+      ASSERT_TRUE(torch::isfinite(R).all().item<bool>()) << tag;
+      auto r = R.accessor<double, 3>();
+      auto r0 = R0.accessor<double, 3>();
+      std::vector<double> sum(static_cast<size_t>(g.batch * H * W * g.in_types), 0.0), count(sum.size(), 0.0);
+      for (int64_t w = 0; w < windows; ++w)
+        for (int64_t i = 0; i < I; ++i) {
+          const auto child = static_cast<size_t>(global_child(g, w, i));
+          count[child] += 1;
+          for (int64_t c = 0; c < C; ++c) sum[child] += r[w][i][c];
+        }
+      double max_windows = 0, min_windows = 1e9;
+      for (size_t child = 0; child < sum.size(); ++child) {
+        if (count[child] == 0) continue;  // not in any window
+        // float32: log weights of size ~1000 carry absolute rounding errors ~1e-4 into exp.
+        EXPECT_NEAR(sum[child], 1.0, dtype == torch::kDouble ? 1e-12 : 1e-3) << tag << " child " << child;
+        max_windows = std::max(max_windows, count[child]);
+        min_windows = std::min(min_windows, count[child]);
+      }
+      EXPECT_EQ(min_windows, 1) << tag;  // a corner
+      EXPECT_EQ(max_windows, s == 1 ? double(K * K) : 4.0) << tag;
+      for (int64_t w = 0; w < windows; ++w)
+        for (int64_t i = 0; i < I; ++i)
+          EXPECT_NEAR(r0[w][i][0], 1.0 / (count[static_cast<size_t>(global_child(g, w, i))] * C), 1e-6) << tag;
+    }
+  }
+}
+
+// A small double-precision ConvMatrixCaps with random betas and routing options `routing`.
+nn::ConvMatrixCaps small_conv(int64_t K, int64_t s, bool cross, const EmRoutingOptions& routing, uint64_t seed) {
+  torch::manual_seed(seed);
+  nn::ConvMatrixCaps conv(nn::ConvMatrixCapsOptions(2, 2).kernel_size(K).stride(s).cross_window(cross).routing(routing));
+  conv->to(torch::kDouble);
+  torch::NoGradGuard no_grad;
+  conv->beta_u.copy_(0.5 + 0.3 * torch::randn({2}, torch::kDouble));
+  conv->beta_a.copy_(0.3 * torch::randn({2}, torch::kDouble));
+  return conv;
+}
+
+TEST(MatrixCaps, CrossWindowRoutingMatchesLoopReference) {
+  // ConvMatrixCaps::forward (em_routing + the fold normaliser) == the loop reference with explicit global
+  // child indices, in values and in the gradients w.r.t. poses, activations, W, beta_u, beta_a (float64).
+  // lambda is raised (base 1, not 0.01) so that the activations and R depend strongly on the votes.
+  ScopedThreads one(1);
+  struct Case {
+    int64_t N, H, W, K, s;
+    bool cross, outside, paper;
+  };
+  const std::vector<Case> cases = {
+      {1, 4, 4, 3, 1, true, true, true},  {2, 5, 5, 3, 2, true, true, true},  {1, 5, 4, 2, 1, true, false, false},
+      {1, 5, 5, 3, 2, true, false, true}, {1, 5, 5, 3, 1, false, true, true},
+  };
+  for (const auto& c : cases) {
+    EmRoutingOptions routing;
+    routing.iterations = 3;
+    routing.logit_offset_outside_lambda = c.outside;
+    routing.inverse_temperature =
+        c.paper ? paper_inverse_temperature_schedule(3, 1.0) : inverse_temperature_schedule(3, 0.05, 0.2);
+    auto conv = small_conv(c.K, c.s, c.cross, routing, 30);
+    const std::string tag = fmt::format("N={} {}x{} K={} s={} {} offset {} {}", c.N, c.H, c.W, c.K, c.s,
+                                        c.cross ? "cross-window" : "per-window", c.outside ? "outside" : "inside",
+                                        c.paper ? "paper lambda" : "linear lambda");
+    auto poses = (0.5 * torch::randn({c.N, c.H, c.W, 2, 16}, torch::kDouble)).requires_grad_(true);
+    auto acts = (0.1 + 0.8 * torch::rand({c.N, c.H, c.W, 2}, torch::kDouble)).requires_grad_(true);
+    nn::MatrixCaps in{poses, acts};
+    auto fast = conv->forward(in);
+    const auto g = conv->geometry(in);
+    auto [V, a] = conv->votes(in);
+    auto ref = nn::detail::reference_conv_em_routing(V, a, conv->beta_u, conv->beta_a, routing, g, c.cross);
+    expect_close(fast.poses.reshape({-1, 2, 16}), ref.poses, 1e-10, tag + " poses");
+    expect_close(fast.activations.reshape({-1, 2}), ref.activations, 1e-10, tag + " activations");
+    const std::vector<torch::Tensor> wrt = {poses, acts, conv->weight, conv->beta_u, conv->beta_a};
+    auto Rp = torch::randn_like(ref.poses), Ra = torch::randn_like(ref.activations);
+    auto gf = torch::autograd::grad({(fast.poses.reshape({-1, 2, 16}) * Rp).sum() +
+                                     (fast.activations.reshape({-1, 2}) * Ra).sum()},
+                                    wrt);
+    auto gr = torch::autograd::grad({(ref.poses * Rp).sum() + (ref.activations * Ra).sum()}, wrt);
+    const char* names[] = {"poses", "activations", "weight", "beta_u", "beta_a"};
+    for (size_t k = 0; k < wrt.size(); ++k) {
+      EXPECT_GT(gr[k].abs().max().item<double>(), 1e-8) << tag << " gradient of " << names[k] << " is zero";
+      expect_close(gf[k], gr[k], 1e-9, tag + " gradient of " + names[k]);
+    }
+    if (c.cross && c.s < c.K) {  // overlapping windows: the two normalisations must really differ
+      auto per_window =
+          nn::detail::reference_conv_em_routing(V, a, conv->beta_u, conv->beta_a, routing, g, /*cross_window=*/false);
+      EXPECT_GT((per_window.poses - ref.poses).abs().max().item<double>(), 1e-6) << tag;
+    }
+  }
+}
+
+TEST(MatrixCaps, CrossWindowEqualsPerWindowWithoutOverlap) {
+  // Stride = kernel: every child is in at most one window, so both normalisations are the same.
+  ScopedThreads one(1);
+  EmRoutingOptions routing;
+  routing.inverse_temperature = paper_inverse_temperature_schedule(3, 1.0);
+  auto cross = small_conv(2, 2, true, routing, 31), per_window = small_conv(2, 2, false, routing, 31);
+  nn::MatrixCaps in{0.5 * torch::randn({2, 5, 4, 2, 16}, torch::kDouble), torch::rand({2, 5, 4, 2}, torch::kDouble)};
+  auto a = cross->forward(in), b = per_window->forward(in);
+  expect_close(a.poses, b.poses, 1e-12, "poses");
+  expect_close(a.activations, b.activations, 1e-12, "activations");
+}
+
+TEST(MatrixCaps, CrossWindowConvCapsGradcheckFloat64) {
+  // Finite differences through the fold normaliser, on a grid with overlapping windows (3x3, K = 2,
+  // s = 1) and on one with a row and a column that no window covers (3x3, K = 2, s = 2: their
+  // gradients must be 0, not NaN).
+  for (const int64_t s : {1, 2}) {
+    EmRoutingOptions routing;
+    routing.inverse_temperature = paper_inverse_temperature_schedule(3, 1.0);
+    auto conv = small_conv(2, s, true, routing, 32);
+    auto poses = (0.5 * torch::randn({1, 3, 3, 2, 16}, torch::kDouble)).requires_grad_(true);
+    auto acts = (0.2 + 0.6 * torch::rand({1, 3, 3, 2}, torch::kDouble)).requires_grad_(true);
+    auto fn = [&](const std::vector<torch::Tensor>& x) {
+      auto r = conv->forward({x[0], x[1]});
+      return torch::cat({r.poses.flatten(), r.activations.flatten()});
+    };
+    testutil::GradcheckOptions go;
+    go.max_elements = 24;
+    EXPECT_TRUE(testutil::gradcheck(fn, {poses, acts, conv->weight, conv->beta_a}, go)) << "stride " << s;
+    if (s == 2) {
+      auto r = conv->forward({poses, acts});
+      auto grads = torch::autograd::grad({r.poses.sum() + r.activations.sum()}, {poses, acts});
+      for (const auto& gr : grads) {
+        EXPECT_TRUE(torch::isfinite(gr).all().item<bool>());
+        EXPECT_EQ(gr.select(1, 2).abs().max().item<double>(), 0.0);  // uncovered row
+        EXPECT_EQ(gr.select(2, 2).abs().max().item<double>(), 0.0);  // uncovered column
+      }
+    }
+  }
+}
+
+TEST(MatrixCaps, ConfigWithoutIssue14KeysKeepsTheOldRouting) {
+  ScopedThreads one(1);
+  models::MatrixCapsNetConfig fresh;  // new models: the published routing
+  EXPECT_EQ(fresh.lambda_schedule, "paper");
+  EXPECT_TRUE(fresh.logit_offset_outside_lambda);
+  EXPECT_TRUE(fresh.cross_window_routing);
+  EXPECT_EQ(fresh.routing().inverse_temperature, paper_inverse_temperature_schedule(3, 0.01));
+  EXPECT_EQ(models::MatrixCapsNetConfig::from_json(fresh.to_json()).to_json(), fresh.to_json());
+
+  // A config (or checkpoint) written before issue 14 has none of the new keys: it means the old routing.
+  auto json = tiny_em_config().to_json();
+  for (const char* key : {"lambda_schedule", "lambda_base", "logit_offset_outside_lambda", "cross_window_routing"})
+    ASSERT_EQ(json.erase(key), 1u) << key;
+  const auto old = models::MatrixCapsNetConfig::from_json(json);
+  EXPECT_EQ(old.lambda_schedule, "linear");
+  EXPECT_FALSE(old.logit_offset_outside_lambda);
+  EXPECT_FALSE(old.cross_window_routing);
+  const auto routing = old.routing();
+  EXPECT_EQ(routing.inverse_temperature, (std::vector<double>{0.01, 0.01, 0.01}));
+  EXPECT_FALSE(routing.logit_offset_outside_lambda);
+
+  // The model it builds computes exactly the pre-issue-14 forward pass: every layer routed by
+  // em_routing per window with lambda 0.01 inside the logistic.
+  torch::manual_seed(6);
+  models::MatrixCapsNet net(old);
+  EXPECT_FALSE(net->conv_caps1->options.cross_window());
+  EXPECT_FALSE(net->conv_caps2->options.cross_window());
+  auto images = torch::rand({2, 1, 28, 28});
+  auto out = net->forward(images);
+  auto caps = net->primary->forward(torch::relu(net->conv1->forward(images)));
+  for (auto* layer : {&net->conv_caps1, &net->conv_caps2}) {
+    auto [V, a] = (*layer)->votes(caps);
+    auto r = em_routing(V, a, (*layer)->beta_u, (*layer)->beta_a, routing);
+    const auto g = (*layer)->geometry(caps);
+    caps = nn::MatrixCaps{r.poses.view({g.batch, g.out_height(), g.out_width(), -1, 16}),
+            r.activations.view({g.batch, g.out_height(), g.out_width(), -1})};
+  }
+  auto [V, a] = net->class_caps->votes(caps);
+  auto by_hand = em_routing(V, a, net->class_caps->beta_u, net->class_caps->beta_a, routing);
+  expect_close(out.activations, by_hand.activations, 0, "activations");
+  expect_close(out.poses, by_hand.poses, 0, "poses");
+
+  auto bad = fresh.to_json();
+  bad["lambda_schedule"] = "cosine";
+  try {
+    models::MatrixCapsNetConfig::from_json(bad);
+    ADD_FAILURE() << "lambda_schedule \"cosine\" was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("lambda_schedule"), std::string::npos) << e.what();
+  }
+}
+
 TEST(MatrixCaps, BadInputThrowsNamingTheLayer) {
   nn::ConvMatrixCaps conv(nn::ConvMatrixCapsOptions(2, 3).kernel_size(3));
   EXPECT_THROW(conv->forward({torch::randn({1, 5, 5, 3, 16}), torch::rand({1, 5, 5, 3})}), std::invalid_argument);
@@ -349,15 +660,6 @@ TEST(MatrixCaps, BadInputThrowsNamingTheLayer) {
   EXPECT_THROW(net->forward(torch::rand({1, 1, 20, 20})), std::invalid_argument);
 }
 
-models::MatrixCapsNetConfig tiny_em_config() {
-  models::MatrixCapsNetConfig c;
-  c.conv1_channels = 8;
-  c.primary_types = 4;
-  c.conv1_caps_types = 4;
-  c.conv2_caps_types = 4;
-  return c;
-}
-
 TEST(EmTraining, AdamStepsOnOneBatchLowerItsSpreadLoss) {
   // Gradients through three EM-routed capsule layers must point downhill: a few small Adam steps on
   // one fixed batch (fixed margin) lower that batch's spread loss.
@@ -378,6 +680,46 @@ TEST(EmTraining, AdamStepsOnOneBatchLowerItsSpreadLoss) {
   EXPECT_LT(losses.back(), losses.front() - 1e-3) << "spread loss " << losses.front() << " -> " << losses.back();
 }
 
+TEST(EmTraining, PreIssue14CheckpointResumesOnlyWithTheOldRouting) {
+  // A checkpoint whose stored model config lacks the issue-14 keys (written before them) means the
+  // old routing: it resumes into a run configured with the old routing and is refused by one with the
+  // new defaults (instead of silently continuing under another routing).
+  ScopedThreads one(1);
+  testing::TempDir dir;
+  auto set = testing::synthetic_set(16, 28, 5);
+  train::EmTrainOptions o;
+  o.model = tiny_em_config();
+  o.model.lambda_schedule = "linear";
+  o.model.logit_offset_outside_lambda = false;
+  o.model.cross_window_routing = false;
+  o.out_dir = dir / "a";
+  o.steps = 2;
+  o.batch_size = 8;
+  o.test_size = 0;
+  o.log_every = 1;
+  o.progress = false;
+  std::ostringstream log;
+  const auto first = train::train_em(o, set, nullptr, log);
+  auto meta = train::read_checkpoint_meta(first.model_path);
+  models::MatrixCapsNet net(o.model);
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(o.lr));
+  train::load_checkpoint(first.model_path, *net, &adam, [](const nlohmann::json&) { return true; });
+  for (const char* key : {"lambda_schedule", "lambda_base", "logit_offset_outside_lambda", "cross_window_routing"})
+    ASSERT_EQ(meta.model_config.erase(key), 1u) << key;
+  const std::string old_path = dir / "old.pt";
+  train::save_checkpoint(old_path, *net, &adam, meta);
+
+  auto resumed = o;
+  resumed.out_dir = dir / "b";
+  resumed.steps = 3;
+  resumed.resume = old_path;
+  EXPECT_EQ(train::train_em(resumed, set, nullptr, log).steps, 3) << log.str();
+  auto fresh = resumed;
+  fresh.model = tiny_em_config();
+  fresh.out_dir = dir / "c";
+  EXPECT_ANY_THROW(train::train_em(fresh, set, nullptr, log));
+}
+
 TEST(EmCli, TrainsAndEvaluatesOnGeneratedIdx) {
   testing::TempDir dir;
   testing::write_fake_mnist(dir / "data", 64, 30);
@@ -396,6 +738,9 @@ TEST(EmCli, TrainsAndEvaluatesOnGeneratedIdx) {
   EXPECT_GE(j["test_accuracy"].get<double>(), 0.0);
   EXPECT_LE(j["test_accuracy"].get<double>(), 1.0);
   EXPECT_EQ(j["model"]["routing_iterations"], 2);
+  EXPECT_EQ(j["model"]["lambda_schedule"], "paper");  // the published routing by default
+  EXPECT_EQ(j["model"]["logit_offset_outside_lambda"], true);
+  EXPECT_EQ(j["model"]["cross_window_routing"], true);
   EXPECT_TRUE(std::filesystem::exists(out + "/checkpoint.pt"));
   std::ifstream metrics(out + "/metrics.jsonl");
   int lines = 0;
@@ -404,6 +749,27 @@ TEST(EmCli, TrainsAndEvaluatesOnGeneratedIdx) {
     saw_eval |= nlohmann::json::parse(line)["event"] == "eval";
   EXPECT_GE(lines, 4);  // start, train, eval, end
   EXPECT_TRUE(saw_eval);
+
+  // The routing of before issue 14, by flags.
+  const std::string legacy_out = dir / "legacy";
+  auto legacy = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "data") + " --out " + legacy_out +
+                                     " --steps 1 --batch-size 8 --test-size 0 --conv1-channels 4 --primary-types 2"
+                                     " --caps1-types 2 --caps2-types 2 --routing-iters 2 --threads 1 --no-progress"
+                                     " --lambda-schedule linear --lambda-first 0.5 --lambda-last 1"
+                                     " --logit-offset inside --window-routing per-window");
+  ASSERT_EQ(legacy.status, 0) << legacy.output;
+  std::ifstream legacy_in(legacy_out + "/em.json");
+  auto lj = nlohmann::json::parse(legacy_in);
+  EXPECT_EQ(lj["model"]["lambda_schedule"], "linear");
+  EXPECT_EQ(lj["model"]["lambda_first"], 0.5);
+  EXPECT_EQ(lj["model"]["logit_offset_outside_lambda"], false);
+  EXPECT_EQ(lj["model"]["cross_window_routing"], false);
+  for (const std::string flag : {"--lambda-schedule cosine", "--logit-offset above", "--window-routing all"}) {
+    auto r_bad = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "data") + " --out " + out +
+                                      " --no-progress --overwrite " + flag);
+    EXPECT_NE(r_bad.status, 0) << flag;
+    EXPECT_NE(r_bad.output.find(flag.substr(0, flag.find(' '))), std::string::npos) << r_bad.output;
+  }
 
   auto bad = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "missing") + " --out " + out +
                                   " --steps 1 --no-progress --overwrite");

@@ -23,6 +23,7 @@ Subcommand add_em(CLI::App& root) {
     train::EmTrainOptions o;
     DataFlags data;
     LoopFlags loop;
+    double max_minutes = 0;
   };
   auto f = std::make_shared<Flags>();
   auto* app = root.add_subcommand(
@@ -60,12 +61,33 @@ Subcommand add_em(CLI::App& root) {
   app->add_option("--routing-iters", m.routing_iterations, "EM routing iterations (paper: 3)")
       ->check(CLI::Range(1, 100))
       ->capture_default_str();
-  app->add_option("--lambda-first", m.lambda_first, "Inverse temperature of the first routing iteration")
+  app->add_option("--lambda-schedule", m.lambda_schedule,
+                  "Inverse temperature per routing iteration t: paper = 0.01 (1 - 0.95^(t+1)) (the authors' "
+                  "schedule), linear = --lambda-first .. --lambda-last (before issue 14)")
+      ->check(CLI::IsMember({"paper", "linear"}))
+      ->capture_default_str();
+  app->add_option("--lambda-first", m.lambda_first,
+                  "Inverse temperature of the first routing iteration (--lambda-schedule linear)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app->add_option("--lambda-last", m.lambda_last, "Inverse temperature of the last routing iteration")
+  app->add_option("--lambda-last", m.lambda_last,
+                  "Inverse temperature of the last routing iteration (--lambda-schedule linear)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  auto* logit_offset = app->add_option_function<std::string>(
+                              "--logit-offset",
+                              [f](const std::string& v) { f->o.model.logit_offset_outside_lambda = v == "outside"; },
+                              "outside: a = logistic(beta_a - lambda cost), beta_a learns at its own scale; inside: "
+                              "logistic(lambda (beta_a - cost)) (before issue 14)")
+                           ->check(CLI::IsMember({"outside", "inside"}));
+  logit_offset->default_str("outside");
+  auto* window_routing = app->add_option_function<std::string>(
+                                "--window-routing",
+                                [f](const std::string& v) { f->o.model.cross_window_routing = v == "cross"; },
+                                "cross: a child's R sums to 1 over every parent of every window containing it (the "
+                                "paper); per-window: over the parents of each window (before issue 14)")
+                             ->check(CLI::IsMember({"cross", "per-window"}));
+  window_routing->default_str("cross");
   app->add_option("--conv1-channels", m.conv1_channels, "A: ReLU Conv1 channels (paper: 64)")
       ->check(CLI::Range(1, 4096))
       ->capture_default_str();
@@ -83,12 +105,18 @@ Subcommand add_em(CLI::App& root) {
   app->add_flag("!--no-coordinate-addition", m.coordinate_addition, "No coordinate addition in the class capsules");
   app->add_option("--checkpoint-every", o.checkpoint_every, "Steps between checkpoints (0 = at the end)")
       ->capture_default_str();
+  app->add_option("--max-minutes", f->max_minutes,
+                  "Wall-clock training budget in minutes (0 = none); evaluated where it stopped (the margin "
+                  "schedule still spans --steps)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   add_loop_flags(*app, f->loop);
 
   return {app, [f]() {
             auto& o = f->o;
             o.progress = !f->loop.no_progress;
             o.resume = f->loop.resume;
+            o.max_seconds = 60 * f->max_minutes;
             o.validate();  // before loading the data
             return run_training_command(f->loop, o.out_dir, o.batch_size, [f](auto group) {
               using Clock = std::chrono::steady_clock;

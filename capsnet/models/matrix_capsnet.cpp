@@ -18,9 +18,27 @@ std::array<int64_t, 3> MatrixCapsNetConfig::grid_sides() const {
 EmRoutingOptions MatrixCapsNetConfig::routing() const {
   EmRoutingOptions o;
   o.iterations = routing_iterations;
-  o.inverse_temperature = inverse_temperature_schedule(routing_iterations, lambda_first, lambda_last);
+  o.inverse_temperature = lambda_schedule == "paper"
+                              ? paper_inverse_temperature_schedule(routing_iterations, lambda_base)
+                              : inverse_temperature_schedule(routing_iterations, lambda_first, lambda_last);
+  o.logit_offset_outside_lambda = logit_offset_outside_lambda;
   o.normalize_cost = normalize_cost;
   return o;
+}
+
+nlohmann::json MatrixCapsNetConfig::legacy_defaults() {
+  return {{"lambda_schedule", "linear"}, {"logit_offset_outside_lambda", false}, {"cross_window_routing", false}};
+}
+
+MatrixCapsNetConfig MatrixCapsNetConfig::from_json(const nlohmann::json& j) {
+  auto filled = j;
+  if (filled.is_object()) {
+    filled.erase("grid_sides");  // derived (to_json writes it for readers)
+    const auto legacy = legacy_defaults();  // a named object: items() of a temporary would dangle
+    for (const auto& [key, value] : legacy.items())
+      if (!filled.contains(key)) filled[key] = value;
+  }
+  return config_io::from_json<MatrixCapsNetConfig>(filled, "matrix capsnet config");
 }
 
 void MatrixCapsNetConfig::validate() const {
@@ -41,6 +59,10 @@ void MatrixCapsNetConfig::validate() const {
   positive(routing_iterations, "routing_iterations");
   if (num_classes < 2)
     throw std::invalid_argument(fmt::format("MatrixCapsNetConfig: num_classes must be >= 2, got {}", num_classes));
+  if (lambda_schedule != "paper" && lambda_schedule != "linear")
+    throw std::invalid_argument(
+        fmt::format("MatrixCapsNetConfig: lambda_schedule must be \"paper\" or \"linear\", got \"{}\"", lambda_schedule));
+  if (!(lambda_base > 0)) throw std::invalid_argument(fmt::format("MatrixCapsNetConfig: lambda_base must be > 0, got {}", lambda_base));
   if (!(lambda_first > 0) || !(lambda_last > 0))
     throw std::invalid_argument("MatrixCapsNetConfig: lambda_first and lambda_last must be > 0");
   if (image_size < conv1_kernel)
@@ -74,11 +96,13 @@ void MatrixCapsNetImpl::reset() {
       "conv_caps1", nn::ConvMatrixCaps(nn::ConvMatrixCapsOptions(config.primary_types, config.conv1_caps_types)
                                            .kernel_size(config.caps_kernel)
                                            .stride(config.conv1_caps_stride)
+                                           .cross_window(config.cross_window_routing)
                                            .routing(routing)));
   conv_caps2 = register_module(
       "conv_caps2", nn::ConvMatrixCaps(nn::ConvMatrixCapsOptions(config.conv1_caps_types, config.conv2_caps_types)
                                            .kernel_size(config.caps_kernel)
                                            .stride(config.conv2_caps_stride)
+                                           .cross_window(config.cross_window_routing)
                                            .routing(routing)));
   class_caps = register_module(
       "class_caps", nn::ClassMatrixCaps(nn::ClassMatrixCapsOptions(config.conv2_caps_types, config.num_classes)

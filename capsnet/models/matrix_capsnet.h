@@ -8,6 +8,7 @@
 
 #include <array>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "capsnet/nn/em_routing.h"
 #include "capsnet/nn/matrix_caps.h"
@@ -29,13 +30,26 @@ struct MatrixCapsNetConfig {
   int64_t conv2_caps_stride = 1;
   int64_t num_classes = 10;
   int64_t routing_iterations = EmRoutingOptions{}.iterations;
-  // Inverse temperature of routing iteration 1 and of the last one (linear in between). 0.01, not 1:
-  // with 1 the class activations saturated and training collapsed to equal lengths (MNIST 8.5% vs
-  // 46.1% with 0.01 after the same 150 steps of 32; docs/em.md).
-  double lambda_first = 0.01;
-  double lambda_last = 0.01;
+  // Inverse temperature per routing iteration t (0-based): "paper" = the authors' schedule
+  // lambda_base (1 - 0.95^(t+1)); "linear" = lambda_first .. lambda_last (the only one before issue 14;
+  // with lambda = 1 the class activations saturated and training collapsed, docs/em.md).
+  std::string lambda_schedule = "paper";
+  double lambda_base = kPaperLambdaBase;
+  double lambda_first = 0.01;  // "linear" only
+  double lambda_last = 0.01;   // "linear" only
+  // EmRoutingOptions::logit_offset_outside_lambda: a_j = logistic(beta_a - lambda cost).
+  bool logit_offset_outside_lambda = true;
+  // nn::ConvMatrixCapsOptions::cross_window: a child's R sums to 1 over all parents of all its windows.
+  bool cross_window_routing = true;
   bool normalize_cost = true;  // EmRoutingOptions::normalize_cost (not in the paper; see em_routing.h)
   bool coordinate_addition = true;
+
+  /// The values a stored config without the issue-14 keys means (the model as it was before them):
+  /// lambda_schedule "linear", logit_offset_outside_lambda false, cross_window_routing false.
+  static nlohmann::json legacy_defaults();
+  /// A config from JSON (e.g. a checkpoint's): a missing issue-14 key takes its legacy_defaults() value,
+  /// any other missing key its default; unknown keys throw (the derived "grid_sides" is ignored).
+  static MatrixCapsNetConfig from_json(const nlohmann::json& j);
 
   /// Sides of the capsule grids: {primary, conv1 caps, conv2 caps} (12, 5, 3 for 28x28 input).
   std::array<int64_t, 3> grid_sides() const;
@@ -59,8 +73,12 @@ struct MatrixCapsNetConfig {
     f("conv2_caps_stride", c.conv2_caps_stride);
     f("num_classes", c.num_classes);
     f("routing_iterations", c.routing_iterations);
+    f("lambda_schedule", c.lambda_schedule);
+    f("lambda_base", c.lambda_base);
     f("lambda_first", c.lambda_first);
     f("lambda_last", c.lambda_last);
+    f("logit_offset_outside_lambda", c.logit_offset_outside_lambda);
+    f("cross_window_routing", c.cross_window_routing);
     f("normalize_cost", c.normalize_cost);
     f("coordinate_addition", c.coordinate_addition);
   }

@@ -32,10 +32,20 @@ std::vector<double> inverse_temperature_schedule(int64_t iterations, double firs
   return out;
 }
 
+std::vector<double> paper_inverse_temperature_schedule(int64_t iterations, double base) {
+  if (iterations < 1) throw std::invalid_argument(fmt::format("iterations must be >= 1, got {}", iterations));
+  if (!(base > 0)) throw std::invalid_argument(fmt::format("the inverse temperature base must be > 0, got {}", base));
+  std::vector<double> out(static_cast<size_t>(iterations));
+  for (int64_t t = 0; t < iterations; ++t)
+    out[static_cast<size_t>(t)] = base * (1.0 - std::pow(0.95, double(t + 1)));
+  return out;
+}
+
 namespace detail {
 
 double inverse_temperature_at(const EmRoutingOptions& options, int64_t t) {
-  return options.inverse_temperature.empty() ? 1.0 : options.inverse_temperature[static_cast<size_t>(t)];
+  if (options.inverse_temperature.empty()) return kPaperLambdaBase * (1.0 - std::pow(0.95, double(t + 1)));
+  return options.inverse_temperature[static_cast<size_t>(t)];
 }
 
 void check_em_routing_args(const torch::Tensor& votes, const torch::Tensor& activations_in,
@@ -77,6 +87,9 @@ EmRoutingResult reference_em_routing(const torch::Tensor& votes, const torch::Te
                                      const torch::Tensor& beta_u_in, const torch::Tensor& beta_a_in,
                                      const EmRoutingOptions& options) {
   check_em_routing_args(votes, activations_in, beta_u_in, beta_a_in, options);
+  if (options.child_log_total)
+    throw std::invalid_argument(
+        "reference_em_routing: options.child_log_total is set; the per-problem reference normalises over j only");
   const auto B = votes.size(0), I = votes.size(1), J = votes.size(2), D = votes.size(3);
   const auto beta_u = per_parent(beta_u_in, J), beta_a = per_parent(beta_a_in, J);
   const double mass_scale = options.normalize_cost ? double(J) / double(I) : 1.0;
@@ -111,7 +124,8 @@ EmRoutingResult reference_em_routing(const torch::Tensor& votes, const torch::Te
           const auto log_sigma = 0.5 * torch::log(var[j][h]);
           cost = cost + (beta_u[j] + log_sigma) * sum_R * mass_scale;
         }
-        a[j] = torch::sigmoid(lambda * (beta_a[j] - cost));
+        a[j] = options.logit_offset_outside_lambda ? torch::sigmoid(beta_a[j] - lambda * cost)
+                                                   : torch::sigmoid(lambda * (beta_a[j] - cost));
       }
       if (t == options.iterations - 1) break;
       // E-step, one child at a time.
@@ -152,7 +166,10 @@ EmRoutingResult em_routing(const torch::Tensor& votes, const torch::Tensor& acti
   const double mass_scale = options.normalize_cost ? double(J) / double(I) : 1.0;
   const auto a_in = activations_in.unsqueeze(2);  // [B, I, 1]
 
-  auto R = torch::full({B, I, J}, 1.0 / J, votes.options());  // R: [B, I, J]
+  // R: [B, I, J], uniform over all of each child's parents.
+  auto R = options.child_log_total ? torch::exp(-options.child_log_total(torch::zeros({B, I, J}, votes.options())))
+                                         .expand({B, I, J})
+                                   : torch::full({B, I, J}, 1.0 / J, votes.options());
   torch::Tensor mu, var, logit;
   for (int64_t t = 0; t < options.iterations; ++t) {
     const double lambda = detail::inverse_temperature_at(options, t);
@@ -164,11 +181,14 @@ EmRoutingResult em_routing(const torch::Tensor& votes, const torch::Tensor& acti
     const auto diff = votes - mu.unsqueeze(1);                  // [B, I, J, D]
     var = (weights * diff.pow(2)).sum(1) + options.variance_eps;  // sigma^2: [B, J, D]
     const auto cost = ((beta_u + 0.5 * torch::log(var)) * (mass * mass_scale).unsqueeze(2)).sum(2);  // [B, J]
-    logit = lambda * (beta_a - cost);                           // [B, J]
+    // Offset outside lambda: beta_a stays a logit of its own, so Adam's steps on it are not scaled by lambda.
+    logit = options.logit_offset_outside_lambda ? beta_a - lambda * cost : lambda * (beta_a - cost);  // [B, J]
     if (t == options.iterations - 1) break;
-    // E-step in log space: log(a_j p_j) = logsigmoid(logit_j) + log N(V_ij; mu_j, sigma_j^2).
+    // E-step in log space: log(a_j p_ij) = logsigmoid(logit_j) + log N(V_ij; mu_j, sigma_j^2).
     const auto log_p = -0.5 * (torch::log(2 * M_PI * var).unsqueeze(1) + diff.pow(2) / var.unsqueeze(1)).sum(3);
-    R = torch::softmax(torch::log_sigmoid(logit).unsqueeze(1) + log_p, 2);  // [B, I, J]
+    const auto log_weights = torch::log_sigmoid(logit).unsqueeze(1) + log_p;  // [B, I, J]
+    R = options.child_log_total ? torch::exp(log_weights - options.child_log_total(log_weights))
+                                : torch::softmax(log_weights, 2);  // [B, I, J]
   }
   return {mu, torch::sigmoid(logit)};
 }

@@ -2,24 +2,43 @@
 // EM routing between matrix capsules (Hinton, Sabour & Frosst, "Matrix capsules with EM routing",
 // ICLR 2018), as free functions on tensors.
 // Paper symbol -> code: V_ij = votes[b, i, j, :]; a_i = activations_in; beta_u, beta_a = beta_u, beta_a;
-// lambda = EmRoutingOptions::inverse_temperature; R_ij = assignment probabilities (internal);
+// lambda_t = EmRoutingOptions::inverse_temperature (default: the authors' schedule
+// lambda_t = 0.01 (1 - 0.95^(t+1)), paper_inverse_temperature_schedule); R_ij = assignment probabilities
+// (internal; EmRoutingOptions::child_log_total says over which parents a child's R sums to 1);
 // mu_j, a_j = EmRoutingResult::poses, ::activations; Procedure 1 = em_routing (fast) /
 // detail::reference_em_routing (oracle). Spread loss (Sec. 3.1) = spread_loss, margin schedule = spread_margin.
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <vector>
 
 namespace capsnet {
+
+/// lambda_0 of the authors' inverse-temperature schedule (their review answers: "final lambda" 0.01).
+inline constexpr double kPaperLambdaBase = 0.01;
 
 /// Options of EM routing (Procedure 1).
 struct EmRoutingOptions {
   /// Routing iterations t (the paper uses 3). Each runs an M-step; all but the last are followed by an
   /// E-step (an E-step after the final M-step would not change mu or a, which are returned).
   int64_t iterations = 3;
-  /// Inverse temperature lambda of the logistic, one per iteration (the paper raises it during routing;
-  /// see inverse_temperature_schedule). Empty: lambda = 1 in every iteration.
+  /// Inverse temperature lambda_t of the logistic, one per iteration. Empty: the authors' schedule
+  /// paper_inverse_temperature_schedule(iterations, kPaperLambdaBase), i.e. 0.01 (1 - 0.95^(t+1)).
+  /// (Until issue 14 empty meant lambda = 1, the regime in which training collapsed.)
   std::vector<double> inverse_temperature;
+  /// true: a_j = logistic(beta_a - lambda_t sum_h cost^h): beta_a is a logit offset that Adam moves at
+  /// its own scale. false (before issue 14): a_j = logistic(lambda_t (beta_a - sum_h cost^h)), where a
+  /// small lambda also shrinks beta_a's effect and its gradient.
+  bool logit_offset_outside_lambda = true;
+  /// Over which parents a child's R sums to 1 in the E-step. Given log_weights = log(a_j p_ij):
+  /// [B, I, J], returns log of each child's total over all its parents, broadcastable to [B, I, J]
+  /// (e.g. [B, I, 1]); R_ij = exp(log_weights - child_log_total(log_weights)). The initial R is
+  /// exp(-child_log_total(zeros)): uniform over all of the child's parents. Empty: the J parents of
+  /// its own routing problem (logsumexp over j, R_ij = 1/J at first). A convolutional layer passes a
+  /// fold over overlapping windows (nn::ConvMatrixCaps) so that a child splits its unit of vote over
+  /// every parent of every window that contains it.
+  std::function<torch::Tensor(const torch::Tensor&)> child_log_total;
   /// Added to every variance (sigma_j^h)^2 before its log and before dividing by it: keeps cost, the
   /// Gaussian log-likelihood and their gradients finite when the votes of a parent coincide.
   double variance_eps = 1e-4;
@@ -34,6 +53,11 @@ struct EmRoutingOptions {
 /// lambda_t linear from `first` (t = 1) to `last` (t = iterations); `first` when iterations == 1.
 std::vector<double> inverse_temperature_schedule(int64_t iterations, double first, double last);
 
+/// The authors' schedule (OpenReview answers to the ICLR 2018 reviews): lambda_t = base (1 - 0.95^(t+1))
+/// for the 0-based routing iteration t = 0 .. iterations - 1 (0.0005, 0.000975, 0.00142625 for base 0.01).
+/// Throws std::invalid_argument if iterations < 1 or base <= 0.
+std::vector<double> paper_inverse_temperature_schedule(int64_t iterations, double base = kPaperLambdaBase);
+
 /// Output of em_routing.
 struct EmRoutingResult {
   torch::Tensor poses;        // mu: [B, J, D] (the parents' pose means, e.g. D = 16 for 4x4 matrices)
@@ -44,10 +68,14 @@ struct EmRoutingResult {
 ///   R_ij = 1/J; repeat: M-step for every parent j:
 ///     R'_ij = R_ij a_i,  mu_j^h = sum_i R'_ij V_ij^h / sum_i R'_ij,
 ///     (sigma_j^h)^2 = sum_i R'_ij (V_ij^h - mu_j^h)^2 / sum_i R'_ij  (+ variance_eps),
-///     cost^h = (beta_u + log sigma_j^h) sum_i R'_ij,  a_j = logistic(lambda (beta_a - sum_h cost^h));
+///     cost^h = (beta_u + log sigma_j^h) sum_i R'_ij,
+///     a_j = logistic(beta_a - lambda_t sum_h cost^h)  (logit_offset_outside_lambda; else
+///           logistic(lambda_t (beta_a - sum_h cost^h)));
 ///   E-step for every child i:
-///     p_j = N(V_ij; mu_j, diag sigma_j^2),  R_ij = a_j p_j / sum_k a_k p_k.
-/// The E-step runs in log space (log a_j = logsigmoid, log p_j, softmax over j): no exp underflow.
+///     p_ij = N(V_ij; mu_j, diag sigma_j^2),  R_ij = a_j p_ij / sum_k a_k p_ik
+///     (k over the J parents, or over all the child's parents given by options.child_log_total).
+/// The E-step runs in log space (log a_j = logsigmoid, log p_ij, normalised by a logsumexp): no exp
+/// underflow.
 /// votes: [B, I, J, D]; activations_in: [B, I] in [0, 1]; beta_u, beta_a: [J] or one element
 /// (shared). Gradients flow through every step (R included). Throws std::invalid_argument naming the
 /// bad argument for wrong ranks, mismatched sizes, non-floating dtypes, iterations < 1 or a schedule
@@ -69,7 +97,9 @@ namespace detail {
 /// Slow, obviously-correct Procedure 1 written from the paper's equations with explicit loops over the
 /// example b, children i, parents j and pose elements h on scalar tensors (autograd works through it,
 /// so it is also the gradient oracle). Computes p_j with exp directly, as in the paper (fine for the
-/// tiny, well-scaled inputs of the tests). Same arguments and result as em_routing.
+/// tiny, well-scaled inputs of the tests). Same arguments and result as em_routing; throws
+/// std::invalid_argument if options.child_log_total is set (its geometry is the caller's: see
+/// nn::detail::reference_conv_em_routing for the convolutional one).
 EmRoutingResult reference_em_routing(const torch::Tensor& votes, const torch::Tensor& activations_in,
                                      const torch::Tensor& beta_u, const torch::Tensor& beta_a,
                                      const EmRoutingOptions& options = {});

@@ -48,15 +48,34 @@ struct ConvMatrixCapsOptions {
   TORCH_ARG(int64_t, out_types);  // parent capsule types C
   TORCH_ARG(int64_t, kernel_size) = 3;  // K
   TORCH_ARG(int64_t, stride) = 1;
+  /// true (the paper): a child's R is normalised over the C parents of every window that contains it
+  /// (it splits its unit of vote over all of them). false (before issue 14): over the C parents of each
+  /// window separately, as if every window had its own copy of the child.
+  TORCH_ARG(bool, cross_window) = true;
   TORCH_ARG(EmRoutingOptions, routing) = {};
 };
+
+/// Where the windows of a K x K, stride s convolution (no padding) over an N x H x W grid of B_in
+/// child types lie: H' = (H - K) / s + 1 rows and W' = (W - K) / s + 1 columns of windows.
+struct WindowGeometry {
+  int64_t batch = 1, height = 1, width = 1, in_types = 1, kernel = 1, stride = 1;
+  int64_t out_height() const { return (height - kernel) / stride + 1; }
+  int64_t out_width() const { return (width - kernel) / stride + 1; }
+};
+
+/// The E-step normaliser of a convolutional capsule layer (EmRoutingOptions::child_log_total): for each
+/// (window, child) entry, log of sum_{windows w' containing the child} sum_c a_c p_{child, c}(w').
+/// log_weights: [N*H'*W', K*K*B_in, C] (windows in (n, y, x) order, children in (ky, kx, b_in) order)
+///   -> [N*H'*W', K*K*B_in, 1]. Children at the border belong to fewer windows.
+torch::Tensor cross_window_child_log_total(const torch::Tensor& log_weights, const WindowGeometry& geometry);
 
 /// Convolutional capsules (Sec. 3, Fig. 1 ConvCaps1/2). Each parent position (y, x) routes the
 /// I = K*K*B_in children of its K x K window (stride s, no padding) to its C parent types:
 /// vote V_ij = M_i W_{(ky,kx,b_in), c} (pose times a learned 4x4 matrix, one matrix per kernel offset,
 /// child type and parent type, shared across positions), then em_routing with per-type beta_u, beta_a.
-/// Each window is routed on its own: a child's assignment probabilities are normalised over the
-/// parent types of one window, not over all overlapping windows that contain it (a simplification).
+/// With cross_window (default) the E-step normalises a child's R over every parent of every window
+/// that contains it (cross_window_child_log_total), as in the paper; the M-step of each parent still
+/// sees only the children of its window.
 /// in: poses [N, H, W, B_in, 16], activations [N, H, W, B_in]
 ///   -> poses [N, H', W', C, 16], activations [N, H', W', C] with H' = (H - K) / s + 1.
 class ConvMatrixCapsImpl : public torch::nn::Cloneable<ConvMatrixCapsImpl> {
@@ -68,6 +87,10 @@ class ConvMatrixCapsImpl : public torch::nn::Cloneable<ConvMatrixCapsImpl> {
   /// votes [N * H' * W', K*K*B_in, C, 16], activations [N * H' * W', K*K*B_in] (windows in (n, y, x) order,
   /// children in (ky, kx, b_in) order).
   std::pair<torch::Tensor, torch::Tensor> votes(const MatrixCaps& in) const;
+  /// The window geometry of this layer on `in`.
+  WindowGeometry geometry(const MatrixCaps& in) const;
+  /// The routing options forward() uses on `in` (options.routing() plus the cross-window normaliser).
+  EmRoutingOptions routing_options(const MatrixCaps& in) const;
 
   ConvMatrixCapsOptions options;
   torch::Tensor weight;  // W: [K*K*B_in, C, 4, 4]
@@ -105,5 +128,19 @@ TORCH_MODULE(ClassMatrixCaps);
 
 /// Throws std::invalid_argument naming `who` unless `in` is a consistent grid with `types` capsule types.
 void check_matrix_caps(const MatrixCaps& in, int64_t types, const char* who);
+
+namespace detail {
+/// Slow, obviously-correct EM routing of a convolutional capsule layer written from Procedure 1 with an
+/// explicit global child index g = (n, y, x, b_in): loops over windows, children, parents and pose
+/// elements on scalar tensors, p with exp as printed; the E-step divides a_c p by the child's total over
+/// every parent of every window containing g (options.child_log_total is ignored: this is its oracle).
+/// With cross_window = false each window is normalised on its own. votes [N*H'*W', K*K*B_in, C, D],
+/// activations [N*H'*W', K*K*B_in] as ConvMatrixCaps::votes returns them; beta_u, beta_a: [C] or one
+/// element. Returns poses [N*H'*W', C, D], activations [N*H'*W', C]. Autograd runs through it.
+EmRoutingResult reference_conv_em_routing(const torch::Tensor& votes, const torch::Tensor& activations,
+                                          const torch::Tensor& beta_u, const torch::Tensor& beta_a,
+                                          const EmRoutingOptions& options, const WindowGeometry& geometry,
+                                          bool cross_window = true);
+}  // namespace detail
 
 }  // namespace capsnet::nn

@@ -30,6 +30,7 @@ void EmTrainOptions::validate() const {
     throw std::invalid_argument(fmt::format("em: margins must be >= 0, got {} and {}", margin_start, margin_end));
   if (train_size < 0) throw std::invalid_argument(fmt::format("em: train_size must be >= 0, got {}", train_size));
   if (test_size < 0) throw std::invalid_argument(fmt::format("em: test_size must be >= 0, got {}", test_size));
+  if (!(max_seconds >= 0)) throw std::invalid_argument(fmt::format("em: max_seconds must be >= 0, got {}", max_seconds));
 }
 
 nlohmann::json EmTrainOptions::to_json() const {
@@ -37,7 +38,7 @@ nlohmann::json EmTrainOptions::to_json() const {
           {"lr", lr},                     {"weight_decay", weight_decay}, {"margin_start", margin_start},
           {"margin_end", margin_end},     {"seed", seed},           {"train_size", train_size},
           {"test_size", test_size},       {"eval_batch_size", eval_batch_size}, {"log_every", log_every},
-          {"checkpoint_every", checkpoint_every}};
+          {"checkpoint_every", checkpoint_every}, {"max_seconds", max_seconds}};
 }
 
 torch::Tensor to_input(const torch::Tensor& images) {
@@ -90,16 +91,31 @@ class EmTask : public Task {
     return model_.ptr();
   }
   nlohmann::json model_config() const override { return o_.model.to_json(); }
+  // Through from_json: a checkpoint from before issue 14 lacks the new routing keys and means the
+  // legacy routing, so it resumes only into a run configured that way.
+  bool config_matches(const nlohmann::json& saved) const override {
+    try {
+      return models::MatrixCapsNetConfig::from_json(saved).to_json() == model_config();
+    } catch (const std::invalid_argument&) {
+      return false;
+    }
+  }
   nlohmann::json data_config() const override {
     return {{"train_examples", train_.size()}, {"margin_start", o_.margin_start}, {"margin_end", o_.margin_end}};
   }
   std::string describe() const override {
     const auto sides = o_.model.grid_sides();
+    const auto& m = o_.model;
+    const auto lambdas = m.routing().inverse_temperature;
+    std::string lambda_text;
+    for (const double l : lambdas) lambda_text += fmt::format("{}{:.6g}", lambda_text.empty() ? "" : " ", l);
     return fmt::format("matrix capsules (EM routing): A={} B={} C={} D={}, capsule grids {}x{} -> {}x{} -> {}x{}, {} "
-                       "routing iterations",
-                       o_.model.conv1_channels, o_.model.primary_types, o_.model.conv1_caps_types,
-                       o_.model.conv2_caps_types, sides[0], sides[0], sides[1], sides[1], sides[2], sides[2],
-                       o_.model.routing_iterations);
+                       "routing iterations, lambda {} ({}), logit offset {} lambda, R over {}, {} cost",
+                       m.conv1_channels, m.primary_types, m.conv1_caps_types, m.conv2_caps_types, sides[0], sides[0],
+                       sides[1], sides[1], sides[2], sides[2], m.routing_iterations, m.lambda_schedule, lambda_text,
+                       m.logit_offset_outside_lambda ? "outside" : "inside",
+                       m.cross_window_routing ? "all windows of a child" : "each window",
+                       m.normalize_cost ? "normalised" : "paper");
   }
   int64_t epoch_size() const override { return train_.size(); }
   void begin_step(int64_t step, int64_t total_steps) override {
@@ -154,6 +170,7 @@ LoopOptions EmTrainOptions::loop_options() const {
   l.evaluate_each_epoch = false;
   l.resume = resume;
   l.progress = progress;
+  l.max_seconds = max_seconds;
   return l;
 }
 

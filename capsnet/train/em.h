@@ -30,6 +30,8 @@ struct EmTrainOptions {
   int64_t eval_batch_size = 100;
   int64_t log_every = 20;       // steps between "train" metric records
   int64_t checkpoint_every = 0;  // steps; 0 = only at epoch ends and at the end
+  double max_seconds = 0;       // > 0: stop after the first step past this much training time (then evaluate);
+                                // the margin schedule still spans `steps`, so it stops short of margin_end
   std::string resume;           // checkpoint to continue from exactly ("" = start fresh)
   bool progress = true;
 
