@@ -305,10 +305,13 @@ TEST_F(ReliabilityCli, ServeStopsCleanlyOnSigtermAndSigint) {
   ASSERT_EQ(first_.status, 0) << first_.output;
   for (const std::string sig : {"TERM", "INT"}) {
     const auto log = *dir_ / ("serve_" + sig + ".log");
-    // Start, wait (bounded) for the ready line, signal, and report the exit status.
+    // Start, wait (bounded) for the ready line, signal, wait (bounded) for the exit, and report the exit
+    // status; a server that ignores the signal is killed after 30 s (exit=137) instead of hanging.
     const auto script = kCli + " serve --checkpoint " + run_ + "/checkpoint.pt --port 0 --runs " + dir_->str() + " > " +
                         log + " 2>&1 & p=$!; for i in $(seq 1 300); do grep -q \"Ctrl-C stops\" " + log +
-                        " && break; sleep 0.1; done; kill -" + sig + " $p; wait $p; echo exit=$?";
+                        " && break; sleep 0.1; done; kill -" + sig +
+                        " $p; for i in $(seq 1 300); do kill -0 $p 2>/dev/null || break; sleep 0.1; done; "
+                        "kill -KILL $p 2>/dev/null; wait $p; echo exit=$?";
     auto r = run_command("sh -c '" + script + "'");
     const auto out = read_bytes(log);
     expect_contains(out, "Ctrl-C stops");

@@ -1,8 +1,12 @@
 #include <fmt/format.h>
-#include <pthread.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <chrono>
+
 #include <iostream>
 #include <memory>
 #include <stdexcept>
@@ -14,6 +18,41 @@
 #include "apps/cli/commands.h"
 
 namespace capsnet::apps::cli {
+namespace {
+
+// SIGINT/SIGTERM write one byte to this pipe; a waiter thread reads it and stops the server from
+// outside the handler. A handler (not a blocked mask and sigwait) because OpenBLAS starts its threads
+// when the library loads, before main: a process-directed signal may be delivered to any of them.
+int g_stop_pipe[2] = {-1, -1};
+
+extern "C" void on_stop_signal(int) {
+  const int saved = errno;
+  const char byte = 1;
+  [[maybe_unused]] auto n = ::write(g_stop_pipe[1], &byte, 1);
+  errno = saved;
+}
+
+// Installs the handler for SIGINT and SIGTERM (a shell starts background jobs with SIGINT ignored;
+// installing a handler overrides that).
+void install_stop_handler() {
+  if (::pipe2(g_stop_pipe, O_CLOEXEC) != 0) throw std::runtime_error("serve: cannot create the stop pipe");
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  for (int sig : {SIGINT, SIGTERM}) ::sigaction(sig, &action, nullptr);
+}
+
+// Blocks until a stop signal arrives or wake_stop_waiter() is called.
+void wait_for_stop() {
+  char byte = 0;
+  while (::read(g_stop_pipe[0], &byte, 1) < 0 && errno == EINTR) {
+  }
+}
+
+void wake_stop_waiter() { on_stop_signal(0); }
+
+}  // namespace
 
 Subcommand add_serve(CLI::App& root) {
   struct Flags {
@@ -59,13 +98,6 @@ Subcommand add_serve(CLI::App& root) {
             f->serve.class_names = train::read_input_spec(f->checkpoint).class_names;
 
             f->serve.response_seconds = f->serve.request_seconds;
-            // SIGINT/SIGTERM are blocked in every thread (the server's workers inherit the mask) and
-            // taken by one waiter, which stops the server from outside a signal handler.
-            sigset_t stop_signals;
-            sigemptyset(&stop_signals);
-            sigaddset(&stop_signals, SIGINT);
-            sigaddset(&stop_signals, SIGTERM);
-            pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
             apps::LiveViewer viewer(model, f->serve);
             viewer.bind();
@@ -74,20 +106,25 @@ Subcommand add_serve(CLI::App& root) {
                   "serve: warning: bound to {}, not loopback: anyone who can reach this port can use the "
                   "model and read the metrics under {}\n",
                   f->serve.host, f->serve.runs_dir);
+            install_stop_handler();
             std::cout << fmt::format("capsnet serve: {} (model {}, runs {}); Ctrl-C stops\n", viewer.url(),
                                      f->checkpoint, f->serve.runs_dir)
                       << std::flush;
 
-            std::atomic<bool> signalled{false};
-            std::thread waiter([&viewer, &signalled, stop_signals] {
-              int sig = 0;
-              sigwait(&stop_signals, &sig);
-              signalled = true;
-              viewer.stop();
+            std::atomic<bool> listen_returned{false};
+            std::thread waiter([&viewer, &listen_returned] {
+              wait_for_stop();
+              // stop() does nothing until listen() has started: a signal right after the ready line
+              // would be lost, so repeat it until listen() returns.
+              while (!listen_returned) {
+                viewer.stop();
+                std::this_thread::sleep_for(std::chrono::milliseconds(20));
+              }
             });
             viewer.listen();
+            listen_returned = true;
             // listen() also returns on a socket error: wake the waiter so that it can be joined.
-            if (!signalled) pthread_kill(waiter.native_handle(), SIGTERM);
+            wake_stop_waiter();
             waiter.join();
             std::cout << "capsnet serve: stopped\n";
             return 0;
