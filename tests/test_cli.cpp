@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "capsnet/data/idx.h"
+#include "capsnet/nn/precision.h"
 #include "capsnet/viz/png.h"
 #include "test_helpers.h"
 
@@ -62,6 +63,22 @@ TEST_F(CliTest, TrainWritesCheckpointMetricsAndAccuracy) {
   EXPECT_EQ(events.front(), "start");
   EXPECT_EQ(events.back(), "end");
   EXPECT_NE(std::find(events.begin(), events.end(), "eval"), events.end());
+}
+
+TEST_F(CliTest, TrainingDefaultsToBf16WhereTheCpuHasItElseFp32WithANotice) {
+  // --precision auto is train's default: the start event records what it resolved to on this CPU.
+  ASSERT_EQ(train_.status, 0) << train_.output;
+  std::ifstream metrics(run_ + "/metrics.jsonl");
+  std::string line;
+  ASSERT_TRUE(std::getline(metrics, line));
+  const auto start = nlohmann::json::parse(line);
+  const bool native = nn::cpu_has_native_bf16();
+  EXPECT_EQ(start["train"]["precision"], native ? "bf16" : "fp32") << line;
+  const bool noticed = train_.output.find("--precision auto: this CPU has no native bf16") != std::string::npos;
+  EXPECT_EQ(noticed, !native) << train_.output;
+  auto help = run_command(kCli + " train --help");
+  expect_contains(help.output, "auto");
+  EXPECT_NE(help.output.find("=auto"), std::string::npos) << help.output;
 }
 
 TEST_F(CliTest, EvalPrintsAccuracyAndConfusionAsJson) {

@@ -224,8 +224,10 @@ class DistributedCliTest : public ::testing::Test {
     dir_ = nullptr;
   }
   /// 3 steps of a global batch of 5 (ranks take 2 and 3 rows: the uneven split is the hard case).
+  /// fp32: bf16 rounds a split batch differently (by ~1e-2), which would hide a wrong slice.
   static std::string train_command(const std::string& out, const std::string& extra) {
-    return fmt::format("{} train --data {} --out {} --steps 3 --batch-size 5 --no-eval --no-progress --threads 2 {}",
+    return fmt::format(
+        "{} train --data {} --out {} --steps 3 --batch-size 5 --no-eval --no-progress --threads 2 --precision fp32 {}",
                        kCli, *dir_ / "data", *dir_ / out, extra);
   }
   static TempDir* dir_;
@@ -265,7 +267,7 @@ TEST_F(DistributedCliTest, MultiMnistTwoProcessesMatchOneProcess) {
   auto command = [](const std::string& out, const std::string& extra) {
     return fmt::format("{} multimnist --data {} --out {} --steps 3 --batch-size 5 --test-size 4 --conv1-channels 8 "
                        "--primary-types 4 --routing-iters 2 --figure-correct 0 --figure-wrong 0 --no-progress "
-                       "--threads 2 --seed 3 {}",
+                       "--threads 2 --seed 3 --precision fp32 {}",
                        kCli, *dir_ / "data", *dir_ / out, extra);
   };
   auto one = testing::run_command(command("mm_one", ""));

@@ -41,6 +41,10 @@ void add_threads_flag(CLI::App& app, int& threads);
 
 /// --precision fp32|bf16|auto (compute type of the convolutions and the decoder; docs/kernels.md).
 void add_precision_flag(CLI::App& app, std::string& precision);
+/// The same flag with the default auto, for the training commands.
+void add_training_precision_flag(CLI::App& app, std::string& precision);
+/// One line on stderr when auto falls back to fp32 on a CPU without native bf16.
+void note_precision_choice(const std::string& precision);
 
 /// Attaches the documented range of every numeric flag (cli/limits.cpp) to the commands of `app`;
 /// std::logic_error when a numeric flag has none (a developer's omission, caught by any test run).

@@ -194,12 +194,13 @@ Subcommand add_multimnist(CLI::App& root) {
   app->add_option("--figure-wrong", f->figure_wrong, "Misclassified test pairs in the figure")
       ->check(CLI::Range(0, 100))
       ->capture_default_str();
-  add_precision_flag(*app, f->o.precision);
+  add_training_precision_flag(*app, f->o.precision);
   add_loop_flags(*app, f->loop);
 
   return {
       app, [f, app]() {
         auto& o = f->o;
+        note_precision_choice(o.precision);
         f->overlay_given = app->get_option("--overlay")->count() > 0;
         o.progress = !f->loop.no_progress;
         o.resume = f->loop.resume;

@@ -75,7 +75,7 @@ Subcommand add_train(CLI::App& root) {
                 "Treat coupling coefficients c_ij as constants in backprop (default: full gradient)");
   app->add_flag("--composite-routing", f->composite_routing,
                 "Route with plain tensor ops instead of the fused operator (same math; slower, more memory)");
-  add_precision_flag(*app, f->o.precision);
+  add_training_precision_flag(*app, f->o.precision);
   app->add_flag("--no-reconstruction", f->no_reconstruction, "No decoder and no reconstruction loss");
   app->add_flag("--stn", f->o.model.stn, "Spatial transformer in front of the CapsNet (identity at init)");
   app->add_option("--max-shift", f->o.max_shift, "Random shift augmentation, pixels")
@@ -96,6 +96,7 @@ Subcommand add_train(CLI::App& root) {
   add_loop_flags(*app, f->loop);
 
   return {app, [f, app]() {
+            note_precision_choice(f->o.precision);
             const auto preset = schedule_preset(f->schedule);
             f->o.lr_schedule = f->lr_schedule.empty() ? preset.lr_schedule : train::parse_lr_schedule(f->lr_schedule);
             if (!app->count("--lr")) f->o.lr = preset.lr;
