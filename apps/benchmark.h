@@ -26,6 +26,7 @@ struct BenchOptions {
 
 struct BenchResult {
   double train_img_s = 0, infer_img_s = 0, latency_b1_ms = 0;
+  double latency_b1_p90_ms = 0;    // 90th percentile (nearest rank) of the batch-1 forward passes
   double train_peak_rss_mb = 0;    // VmHWM over the training phase (whole process)
   double train_rss_growth_mb = 0;  // that peak minus the RSS before the first step
   nlohmann::json to_json() const;
@@ -47,6 +48,8 @@ double gemm_gflops(torch::ScalarType dtype, int64_t n = 2048, int repeats = 5);
 
 /// Median of the values (mean of the middle two for an even count); throws on an empty list.
 double median(std::vector<double> values);
+/// Nearest-rank quantile, q in (0, 1]: the smallest value with at least q of the values at or below it.
+double quantile(std::vector<double> values, double q);
 
 /// Current / peak resident set of this process in MiB (from /proc/self/status; NaN if unavailable).
 double rss_mb();

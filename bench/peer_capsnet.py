@@ -7,11 +7,12 @@ Same math as capsnet's default model (routing gradients flow through every itera
 over parents, squash with eps inside the sqrt), so the speed ratios compare like with like.
 
 Prints one JSON line with the same fields as `capsnet bench`'s own workers:
-  train_img_s, infer_img_s, latency_b1_ms, train_peak_rss_mb, train_rss_growth_mb, ...
+  train_img_s, infer_img_s, latency_b1_ms, latency_b1_p90_ms, train_peak_rss_mb, train_rss_growth_mb, ...
 Run by `capsnet bench`; runnable alone:  /usr/bin/python3 bench/peer_capsnet.py --steps 5
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -141,6 +142,7 @@ def main():
         "batch_size": B, "threads": torch.get_num_threads(), "routing_iters": args.routing_iters,
         "train_img_s": B / statistics.median(times), "infer_img_s": B / statistics.median(infer),
         "latency_b1_ms": 1000 * statistics.median(lat),
+        "latency_b1_p90_ms": 1000 * sorted(lat)[math.ceil(0.9 * len(lat)) - 1],
         "train_peak_rss_mb": train_peak, "train_rss_growth_mb": train_peak - rss_before,
         "steps": args.steps,
     }))

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import ctypes
 import json
+import math
 import os
 import statistics
 import sys
@@ -384,6 +385,7 @@ def main():
         "batch_size": B, "threads": torch.get_num_threads(), "routing_iters": args.routing_iters,
         "train_img_s": B / statistics.median(times), "infer_img_s": B / statistics.median(infer),
         "latency_b1_ms": 1000 * statistics.median(lat),
+        "latency_b1_p90_ms": 1000 * sorted(lat)[math.ceil(0.9 * len(lat)) - 1],
         "train_peak_rss_mb": train_peak, "train_rss_growth_mb": train_peak - rss_before,
         "steps": args.steps, "precision": args.precision,
         "channels_last": args.channels_last, "malloc_tuned": malloc_tuned,

@@ -42,7 +42,20 @@ TEST(BenchmarkTest, MeasuresPositiveFiniteFiguresForBothRoutingPaths) {
     const auto j = r.to_json();
     EXPECT_DOUBLE_EQ(j.at("train_img_s").get<double>(), r.train_img_s);
     EXPECT_DOUBLE_EQ(j.at("latency_b1_ms").get<double>(), r.latency_b1_ms);
+    EXPECT_DOUBLE_EQ(j.at("latency_b1_p90_ms").get<double>(), r.latency_b1_p90_ms);
+    EXPECT_GE(r.latency_b1_p90_ms, r.latency_b1_ms) << "fused=" << fused;  // p90 of the same runs >= their median
   }
+}
+
+TEST(BenchmarkTest, QuantileIsTheNearestRank) {
+  const std::vector<double> ten = {10, 1, 9, 2, 8, 3, 7, 4, 6, 5};
+  EXPECT_EQ(apps::quantile(ten, 0.9), 9);  // ceil(0.9 * 10) = 9th smallest
+  EXPECT_EQ(apps::quantile(ten, 0.5), 5);
+  EXPECT_EQ(apps::quantile(ten, 1.0), 10);
+  EXPECT_EQ(apps::quantile(ten, 0.01), 1);
+  EXPECT_EQ(apps::quantile({3, 1, 2}, 0.9), 3);  // ceil(2.7) = 3rd
+  EXPECT_THROW(apps::quantile({}, 0.5), c10::Error);
+  EXPECT_THROW(apps::quantile({1}, 0), c10::Error);
 }
 
 TEST(BenchmarkTest, PeakRssResetsAndTracksAnAllocation) {

@@ -428,6 +428,62 @@ TEST(CapsPix2pixEval, ScoresOnKnownImages) {
   EXPECT_FALSE(torch::equal(capsnet::train::eval_noise(3, 0, 2, 4), capsnet::train::eval_noise(4, 0, 2, 4)));
 }
 
+TEST(CapsPix2pixEval, LabelConsistencyCountsTheClassifiersAgreementWithTheSourceClass) {
+  // Reference written out step by step, one map at a time: generate with map i's noise, map to
+  // [0, 1], resize 16 -> 12 bilinearly, take the longest capsule, compare with the source's label.
+  torch::manual_seed(2);
+  capsnet::models::Pix2pix model{tiny("cnn")};
+  capsnet::models::CapsNet classifier{capsnet::testing::tiny_config()};  // 12 x 12, 10 classes
+  LabelMaps set(blob_set(40, 3), 9, maps16());
+  const int64_t count = 7;
+  const uint64_t eval_seed = 7;
+  auto score = capsnet::train::label_consistency(model, classifier, set, count, 3, eval_seed);
+  torch::NoGradGuard no_grad;
+  classifier->eval();
+  int64_t generated = 0, real = 0;
+  std::vector<int64_t> predicted;
+  for (int64_t i = 0; i < count; ++i) {
+    auto b = set.generate(i, 1);
+    auto resize = [](const torch::Tensor& x) {
+      return torch::upsample_bilinear2d(x, {12, 12}, /*align_corners=*/false);
+    };
+    auto fake = ((model->generate(b.one_hot, capsnet::train::eval_noise(eval_seed, i, 1, 2)) + 1) / 2).clamp(0, 1);
+    const int64_t label = b.labels.item<int64_t>();
+    const int64_t pf = classifier->forward(resize(fake)).lengths.argmax(1).item<int64_t>();
+    const int64_t pr = classifier->forward(resize(((b.images + 1) / 2).clamp(0, 1))).lengths.argmax(1).item<int64_t>();
+    generated += pf == label;
+    real += pr == label;
+    predicted.push_back(pf);
+  }
+  EXPECT_EQ(score.examples, count);
+  EXPECT_DOUBLE_EQ(score.generated, static_cast<double>(generated) / count);
+  EXPECT_DOUBLE_EQ(score.real, static_cast<double>(real) / count);
+  // The batch-wise prediction helper agrees with the one-at-a-time reference.
+  auto b = set.generate(0, count);
+  auto fake = ((model->generate(b.one_hot, capsnet::train::eval_noise(eval_seed, 0, count, 2)) + 1) / 2).clamp(0, 1);
+  auto batch_pred = capsnet::train::classify_resized(classifier, fake);
+  for (int64_t i = 0; i < count; ++i) EXPECT_EQ(batch_pred[i].item<int64_t>(), predicted[i]) << i;
+  // A classifier that cannot take the images, or cannot name their classes, is refused by name.
+  auto rgb = capsnet::testing::tiny_config();
+  rgb.image_channels = 3;
+  capsnet::models::CapsNet rgb_classifier{rgb};
+  try {
+    capsnet::train::label_consistency(model, rgb_classifier, set, 2, 2, eval_seed);
+    FAIL() << "a 3-channel classifier was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("3 channels"), std::string::npos) << e.what();
+  }
+  auto few = capsnet::testing::tiny_config();
+  few.num_classes = 2;
+  capsnet::models::CapsNet few_classifier{few};
+  try {
+    capsnet::train::label_consistency(model, few_classifier, set, 10, 5, eval_seed);  // labels 0..9
+    FAIL() << "a 2-class classifier was accepted for 10 classes";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("2 classes"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CapsPix2pixFigures, SizesContentsAndPng) {
   capsnet::testutil::ScopedThreads one(1);
   torch::manual_seed(6);
@@ -469,12 +525,23 @@ TEST(CapsPix2pixCli, TrainsBothGeneratorsAndDrawsThemSideBySide) {
                              "--threads 1";
   auto r = capsnet::testing::run_command(kCli + " capspix2pix --generator cnn --out " + (dir / "cnn") + common);
   ASSERT_EQ(r.status, 0) << r.output;
+  // A small CapsNet on the same 28 x 28 source images scores label consistency (maps are 32 x 32).
+  r = capsnet::testing::run_command(kCli + " train --data " + (dir / "data") + " --out " + (dir / "classifier") +
+                                    " --steps 1 --batch-size 4 --conv1-channels 8 --primary-types 2 --no-eval "
+                                    "--no-progress --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
   r = capsnet::testing::run_command(kCli + " capspix2pix --generator caps --out " + (dir / "caps") + common +
-                                    " --compare-with " + capsnet::train::checkpoint_path(dir / "cnn"));
+                                    " --compare-with " + capsnet::train::checkpoint_path(dir / "cnn") +
+                                    " --classifier " + capsnet::train::checkpoint_path(dir / "classifier"));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("caps generator, test (3 maps)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("label consistency (3 maps"), std::string::npos) << r.output;
   std::ifstream in(dir / "caps/capspix2pix.json");
   auto j = nlohmann::json::parse(in);
+  for (const char* k : {"generated", "real"}) {
+    const double v = j["test"]["label_consistency"][k].get<double>();
+    EXPECT_TRUE(v == 0.0 || v == 1.0 / 3 || v == 2.0 / 3 || v == 1.0) << k << " " << v;  // a share of 3 maps
+  }
   EXPECT_EQ(j["steps"], 2);
   EXPECT_EQ(j["generator"], "caps");
   EXPECT_EQ(j["l1_weight"], 100.0);
@@ -494,4 +561,8 @@ TEST(CapsPix2pixCli, TrainsBothGeneratorsAndDrawsThemSideBySide) {
   r = capsnet::testing::run_command(kCli + " capspix2pix --recon-weight=-1 --out " + (dir / "x"));
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("out of range"), std::string::npos) << r.output;
+  r = capsnet::testing::run_command(kCli + " capspix2pix --classifier " + (dir / "missing.pt") + " --out " +
+                                    (dir / "y") + common);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("missing.pt"), std::string::npos) << r.output;
 }

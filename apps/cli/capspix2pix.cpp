@@ -14,6 +14,7 @@
 #include "capsnet/data/label_maps.h"
 #include "capsnet/data/mnist.h"
 #include "capsnet/models/capsnet.h"
+#include "capsnet/train/checkpoint.h"
 #include "capsnet/viz/png.h"
 #include "apps/cli/commands.h"
 #include "apps/cli/loop_flags.h"
@@ -39,6 +40,7 @@ Subcommand add_capspix2pix(CLI::App& root) {
     double max_minutes = 0;
     bool composite_routing = false;
     std::string compare_with;  // another run's checkpoint.pt, drawn beside this one in the figures
+    std::string classifier;    // a CapsNet checkpoint for the label-consistency score
     LoopFlags loop;
   };
   auto f = std::make_shared<Flags>();
@@ -78,6 +80,10 @@ Subcommand add_capspix2pix(CLI::App& root) {
   app->add_option("--compare-with", f->compare_with,
                   "Checkpoint of another capspix2pix run, drawn beside this one in the figures "
                   "(label | pix2pix | CapsPix2pix | real)");
+  app->add_option("--classifier", f->classifier,
+                  "CapsNet checkpoint trained on the real images (e.g. capsnet train --dataset fashion-mnist): scores "
+                  "label consistency, the share of generated test images it assigns to the source image's class "
+                  "(and the same for the real images, the ceiling)");
   app->add_flag("--composite-routing", f->composite_routing,
                 "Route with the composite ATen path instead of the fused operator (same math)");
   add_loop_flags(*app, f->loop);
@@ -96,6 +102,8 @@ Subcommand add_capspix2pix(CLI::App& root) {
               auto& o = f->o;
               std::optional<models::Pix2pix> other;
               if (!f->compare_with.empty()) other = train::load_pix2pix(f->compare_with);  // fail before training
+              std::optional<models::CapsNet> classifier;
+              if (!f->classifier.empty()) classifier = train::load_model(f->classifier);
               data::LabelMaps train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.seed, f->maps);
               data::LabelMaps test_set(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_seed, f->maps);
 
@@ -105,6 +113,15 @@ Subcommand add_capspix2pix(CLI::App& root) {
               std::cout << fmt::format(
                   "{} generator, test ({} maps): L1 {:.4f} PSNR {:.2f} dB SSIM {:.4f}; diversity across z {:.4f}\n",
                   o.model.generator, t.examples, t.l1, t.psnr, t.ssim, t.diversity);
+
+              std::optional<train::LabelConsistency> consistency;
+              if (classifier) {
+                consistency = train::label_consistency(model, *classifier, test_set, o.test_size, o.eval_batch_size,
+                                                       o.eval_seed);
+                std::cout << fmt::format(
+                    "label consistency ({} maps, classifier {}): generated {:.2f}%, real images {:.2f}%\n",
+                    consistency->examples, f->classifier, 100 * consistency->generated, 100 * consistency->real);
+              }
 
               nlohmann::json summary = {
                   {"task", "capspix2pix"},
@@ -148,6 +165,16 @@ Subcommand add_capspix2pix(CLI::App& root) {
                      "by eval_seed; diversity = mean pairwise L1 of diversity_samples images of one map (different "
                      "z), averaged over diversity_maps maps"}}},
                   {"model_file", train::checkpoint_path(o.out_dir)}};
+
+              if (consistency)
+                summary["test"]["label_consistency"] = {
+                    {"classifier", f->classifier},
+                    {"generated", consistency->generated},
+                    {"real", consistency->real},
+                    {"definition",
+                     "share of the test maps' images (z fixed by eval_seed) that the classifier assigns to the source "
+                     "image's class; images in [0, 1], resized bilinearly to the classifier's size; real = the true "
+                     "images of the same maps"}};
 
               if (f->figure_rows > 0) {
                 // Column order as in the seed deck: pix2pix before CapsPix2pix.

@@ -134,6 +134,44 @@ Pix2pixEval evaluate_pix2pix(models::Pix2pix& model, const data::LabelMaps& set,
   return r;
 }
 
+torch::Tensor classify_resized(models::CapsNet& classifier, const torch::Tensor& images01) {
+  const int64_t size = classifier->config.image_size;
+  auto x = images01;  // [B, 1, H, W]
+  if (x.size(2) != size || x.size(3) != size)
+    x = torch::nn::functional::interpolate(x, torch::nn::functional::InterpolateFuncOptions()
+                                                  .size(std::vector<int64_t>{size, size})
+                                                  .mode(torch::kBilinear)
+                                                  .align_corners(false));
+  return classifier->forward(x.clamp(0, 1)).lengths.argmax(1);  // lengths: [B, K]
+}
+
+LabelConsistency label_consistency(models::Pix2pix& model, models::CapsNet& classifier, const data::LabelMaps& set,
+                                   int64_t count, int64_t batch_size, uint64_t eval_seed) {
+  if (count < 1 || batch_size < 1) throw std::invalid_argument("label_consistency: count and batch_size must be >= 1");
+  if (classifier->config.image_channels != 1)
+    throw std::invalid_argument(fmt::format("label consistency: the classifier takes {} channels; the images have 1",
+                                            classifier->config.image_channels));
+  torch::NoGradGuard no_grad;
+  const bool was_training = classifier->is_training();
+  classifier->eval();
+  const int64_t Z = model->config.z_dim;
+  int64_t generated = 0, real = 0;
+  for (int64_t start = 0; start < count; start += batch_size) {
+    const int64_t len = std::min(batch_size, count - start);
+    auto b = set.generate(start, len);
+    const int64_t max_label = b.labels.max().item<int64_t>();
+    if (max_label >= classifier->config.num_classes)
+      throw std::invalid_argument(fmt::format("label consistency: the classifier has {} classes, the maps' labels go up to {}",
+                                              classifier->config.num_classes, max_label));
+    auto fake = to_unit(model->generate(b.one_hot, eval_noise(eval_seed, start, len, Z)));  // [len, 1, S, S]
+    generated += classify_resized(classifier, fake).eq(b.labels).sum().item<int64_t>();
+    real += classify_resized(classifier, to_unit(b.images)).eq(b.labels).sum().item<int64_t>();
+  }
+  classifier->train(was_training);
+  return {count, static_cast<double>(generated) / static_cast<double>(count),
+          static_cast<double>(real) / static_cast<double>(count)};
+}
+
 std::unique_ptr<torch::optim::Adam> make_pix2pix_optimizer(models::Pix2pix& model, double lr, double beta1) {
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(model->generator_parameters());

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "capsnet/data/label_maps.h"
+#include "capsnet/models/capsnet.h"
 #include "capsnet/models/capspix2pix.h"
 #include "capsnet/train/loop.h"
 
@@ -65,6 +66,22 @@ torch::Tensor eval_noise(uint64_t seed, int64_t first, int64_t count, int64_t z_
 /// Evaluates maps 0 .. count - 1 of `set` with z = eval_noise(eval_seed, i): no grad.
 Pix2pixEval evaluate_pix2pix(models::Pix2pix& model, const data::LabelMaps& set, int64_t count, int64_t batch_size,
                              uint64_t eval_seed, int64_t diversity_maps, int64_t diversity_samples);
+
+/// Label consistency (pix2pix's "FCN score" idea with a classifier): the share of images of test maps
+/// 0 .. count - 1 that `classifier`, a CapsNet trained on real source images (e.g. Fashion-MNIST),
+/// assigns to the class of the map's source image. Images are mapped to [0, 1] and resized S x S ->
+/// the classifier's size (bilinear). `generated` scores generator(map, eval_noise(eval_seed, i));
+/// `real` scores the true images of the same maps: the ceiling the generator is held to.
+struct LabelConsistency {
+  int64_t examples = 0;
+  double generated = 0, real = 0;
+};
+/// std::invalid_argument when the classifier is not a one-channel model or has fewer classes than the labels.
+LabelConsistency label_consistency(models::Pix2pix& model, models::CapsNet& classifier, const data::LabelMaps& set,
+                                   int64_t count, int64_t batch_size, uint64_t eval_seed);
+
+/// The classifier's predicted classes for images in [0, 1] of any size: [B, 1, H, W] -> [B] int64.
+torch::Tensor classify_resized(models::CapsNet& classifier, const torch::Tensor& images01);
 
 struct Pix2pixTrainResult {
   models::Pix2pix model{nullptr};
