@@ -32,9 +32,19 @@ at::Tensor capsule_routing(const at::Tensor& u, const at::Tensor& W, int64_t ite
 /// u_hat: [B, I, J, D] prediction vectors u_hat_{j|i}. Returns v: [B, J, D].
 at::Tensor routing_from_predictions(const at::Tensor& u_hat, int64_t iterations = 3, bool grad_through_routing = true);
 
-/// The CPU kernels exist once per instruction set (baseline, and AVX2+FMA where the CPU has both,
-/// chosen at run time). true forces the baseline copy in this process (tests and benchmarks compare
-/// the two); false (the default) restores the choice by CPU.
-void set_baseline_isa(bool on);
+/// The CPU kernels exist once per instruction set: baseline (SSE2 on x86-64), AVX2+FMA and AVX-512,
+/// the widest the CPU has chosen at run time. set_cpu_isa caps the choice in this process (a cap above
+/// what the CPU has gives the widest it has); automatic (the default) restores the choice by CPU.
+/// Tests and benchmarks use it to compare the copies.
+enum class CpuIsa { automatic, baseline, avx2, avx512 };
+void set_cpu_isa(CpuIsa isa);
+
+/// Two layouts of the fused op's CPU kernels: per_example (one example at a time, vectors over J*D) and
+/// example_lanes (one SIMD lane per example, vectors over the batch). automatic (the default) takes
+/// example lanes once the batch fills at least half a vector (8 float32 examples with AVX-512), where
+/// they are faster; set_cpu_kernel forces one (tests hold both to the oracle).
+/// routing_from_predictions always runs per example.
+enum class CpuKernel { automatic, per_example, example_lanes };
+void set_cpu_kernel(CpuKernel kernel);
 
 }  // namespace capsnet::ops

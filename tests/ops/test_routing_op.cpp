@@ -47,11 +47,12 @@ std::string name(const Shape& s, int64_t r, bool full) {
   return os.str();
 }
 
-// Includes I = 1, J = 1, B = 1, Din != D, B > the kernel's example block (8) and not a multiple of it,
-// I > the kernel's child block (16) and not a multiple of it.
+// Includes I = 1, J = 1, B = 1, Din != D, B > the per-example kernel's example block (8) and not a
+// multiple of it, I > its child block (16) and not a multiple of it, and B = 37: several example-lane
+// blocks (16 float32 or 8 float64 lanes with AVX-512, fewer below) with a partly filled last one.
 const std::vector<Shape> kShapes = {
     {1, 1, 1, 1, 1}, {2, 5, 3, 4, 2},    {3, 7, 1, 6, 5},  {1, 1, 4, 3, 2},  {4, 9, 5, 2, 3},
-    {5, 3, 2, 8, 8}, {2, 12, 10, 16, 8}, {11, 6, 3, 4, 7}, {3, 37, 4, 5, 3},
+    {5, 3, 2, 8, 8}, {2, 12, 10, 16, 8}, {11, 6, 3, 4, 7}, {3, 37, 4, 5, 3}, {37, 5, 3, 4, 3},
 };
 const std::vector<int64_t> kIterations = {1, 2, 3, 5};
 
@@ -96,6 +97,18 @@ void make_inputs(const Shape& s, torch::ScalarType dtype, torch::Tensor& u, torc
   W = (torch::randn({s.I, s.J, s.D, s.Din}, torch::kDouble) / std::sqrt(double(s.Din))).to(dtype);
   R = torch::randn({s.B, s.J, s.D}, torch::kDouble).to(dtype);
 }
+
+// Forces a CPU kernel copy for the scope (ops::set_cpu_isa / set_cpu_kernel), restores the default after.
+struct ScopedCpuKernel {
+  ScopedCpuKernel(capsnet::ops::CpuIsa isa, capsnet::ops::CpuKernel kernel) {
+    capsnet::ops::set_cpu_isa(isa);
+    capsnet::ops::set_cpu_kernel(kernel);
+  }
+  ~ScopedCpuKernel() {
+    capsnet::ops::set_cpu_isa(capsnet::ops::CpuIsa::automatic);
+    capsnet::ops::set_cpu_kernel(capsnet::ops::CpuKernel::automatic);
+  }
+};
 
 // Tolerance of the fused op against the float64 oracle (relative to the scale of the expected tensor).
 // float32: with |u_hat| ~ 1 and r = 5 the full gradient is ill-conditioned; there ATen's own float32
@@ -167,16 +180,22 @@ TEST(RoutingFromPredictions, MatchesReferenceFloat64) { expect_predictions_match
 
 TEST(RoutingFromPredictions, MatchesReferenceFloat32) { expect_predictions_match_reference(torch::kFloat); }
 
-// The CPU kernels exist once per instruction set (baseline, and AVX2+FMA where the CPU has it, chosen at
-// run time); ops::set_baseline_isa(true) forces the baseline copy. On an AVX2 machine the tests above
-// ran the AVX2 copy; this one runs the baseline copy against the same oracle.
-TEST(FusedRouting, BaselineInstructionSetMatchesReference) {
-  struct ScopedBaseline {
-    ScopedBaseline() { capsnet::ops::set_baseline_isa(true); }
-    ~ScopedBaseline() { capsnet::ops::set_baseline_isa(false); }
-  } baseline;
-  expect_fused_matches_reference(torch::kDouble);
-  expect_fused_matches_reference(torch::kFloat);
+// The fused op's CPU kernels exist per instruction set (baseline, AVX2+FMA, AVX-512: the widest the CPU
+// has by default; a cap above it runs the widest it has) and in two layouts (per example, example lanes:
+// chosen by batch size). The tests above ran the default choice; this one forces every combination
+// against the same oracle, float64 and float32.
+TEST(FusedRouting, EveryInstructionSetAndKernelLayoutMatchesReference) {
+  using capsnet::ops::CpuIsa;
+  using capsnet::ops::CpuKernel;
+  for (const CpuIsa isa : {CpuIsa::baseline, CpuIsa::avx2, CpuIsa::avx512}) {
+    for (const CpuKernel kernel : {CpuKernel::per_example, CpuKernel::example_lanes}) {
+      SCOPED_TRACE("isa " + std::to_string(int(isa)) + ", kernel " + std::to_string(int(kernel)));
+      ScopedCpuKernel forced(isa, kernel);
+      expect_fused_matches_reference(torch::kDouble);
+      expect_fused_matches_reference(torch::kFloat);
+    }
+  }
+  ScopedCpuKernel baseline(CpuIsa::baseline, CpuKernel::automatic);
   expect_predictions_match_reference(torch::kDouble);
 }
 
@@ -229,19 +248,22 @@ TEST(FusedRouting, FiniteDifferenceGradientsFloat64) {
   // not (c_ij are constants); it is the derivative of G(x) = squash(sum_i c_ij(x0) u_hat_ij(x)) with c
   // frozen at the checked point x0, so the central differences are taken of G.
   torch::manual_seed(3);
-  for (const Shape s : {Shape{2, 3, 2, 3, 2}, Shape{1, 4, 3, 2, 3}, Shape{3, 1, 1, 2, 1}}) {
-    for (const int64_t r : {1, 2, 3}) {
-      for (const bool full : {true, false}) {
-        torch::Tensor u, W, R;
-        make_inputs(s, torch::kDouble, u, W, R);
-        const auto c0 = frozen_coupling(predictions(u, W), r).unsqueeze(-1);  // [B, I, J, 1]
-        const Fn fused = [&](const auto& x) { return capsnet::ops::capsule_routing(x[0], x[1], r, full); };
-        const Fn fused_frozen = [&](const auto& x) { return capsnet::squash((c0 * predictions(x[0], x[1])).sum(1)); };
-        EXPECT_TRUE(finite_difference_check(fused, full ? fused : fused_frozen, {u, W})) << name(s, r, full);
-        const Fn pred = [&](const auto& x) { return capsnet::ops::routing_from_predictions(x[0], r, full); };
-        const Fn pred_frozen = [&](const auto& x) { return capsnet::squash((c0 * x[0]).sum(1)); };
-        EXPECT_TRUE(finite_difference_check(pred, full ? pred : pred_frozen, {predictions(u, W)}))
-            << "from predictions, " << name(s, r, full);
+  for (const auto kernel : {capsnet::ops::CpuKernel::per_example, capsnet::ops::CpuKernel::example_lanes}) {
+    ScopedCpuKernel forced(capsnet::ops::CpuIsa::automatic, kernel);
+    for (const Shape s : {Shape{2, 3, 2, 3, 2}, Shape{1, 4, 3, 2, 3}, Shape{3, 1, 1, 2, 1}}) {
+      for (const int64_t r : {1, 2, 3}) {
+        for (const bool full : {true, false}) {
+          torch::Tensor u, W, R;
+          make_inputs(s, torch::kDouble, u, W, R);
+          const auto c0 = frozen_coupling(predictions(u, W), r).unsqueeze(-1);  // [B, I, J, 1]
+          const Fn fused = [&](const auto& x) { return capsnet::ops::capsule_routing(x[0], x[1], r, full); };
+          const Fn fused_frozen = [&](const auto& x) { return capsnet::squash((c0 * predictions(x[0], x[1])).sum(1)); };
+          EXPECT_TRUE(finite_difference_check(fused, full ? fused : fused_frozen, {u, W})) << name(s, r, full);
+          const Fn pred = [&](const auto& x) { return capsnet::ops::routing_from_predictions(x[0], r, full); };
+          const Fn pred_frozen = [&](const auto& x) { return capsnet::squash((c0 * x[0]).sum(1)); };
+          EXPECT_TRUE(finite_difference_check(pred, full ? pred : pred_frozen, {predictions(u, W)}))
+              << "from predictions, " << name(s, r, full);
+        }
       }
     }
   }

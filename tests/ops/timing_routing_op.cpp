@@ -22,10 +22,10 @@
 #include <string>
 #include <vector>
 
+#include "apps/runtime.h"
 #include "capsnet/nn/capsule_linear.h"
 #include "capsnet/nn/functional.h"
 #include "capsnet/ops/routing.h"
-#include "apps/runtime.h"
 
 namespace {
 
@@ -83,10 +83,17 @@ struct Problem {
 
 int main(int argc, char** argv) {
   capsnet::apps::configure_runtime(argc, argv);
-  // The timing program (not the library) reads the environment: CAPSNET_OPS_CPU_ISA=baseline times the
-  // baseline kernels.
-  if (const char* isa = std::getenv("CAPSNET_OPS_CPU_ISA"); isa && std::string(isa) == "baseline")
-    capsnet::ops::set_baseline_isa(true);
+  // The timing program (not the library) reads the environment: CAPSNET_OPS_CPU_ISA=baseline|avx2|avx512
+  // caps the kernels' instruction set, CAPSNET_OPS_CPU_KERNEL=per_example|example_lanes forces a layout.
+  if (const char* isa = std::getenv("CAPSNET_OPS_CPU_ISA")) {
+    const std::string v = isa;
+    capsnet::ops::set_cpu_isa(v == "baseline" ? capsnet::ops::CpuIsa::baseline
+                              : v == "avx2"   ? capsnet::ops::CpuIsa::avx2
+                                              : capsnet::ops::CpuIsa::avx512);
+  }
+  if (const char* kernel = std::getenv("CAPSNET_OPS_CPU_KERNEL"))
+    capsnet::ops::set_cpu_kernel(std::string(kernel) == "per_example" ? capsnet::ops::CpuKernel::per_example
+                                                                      : capsnet::ops::CpuKernel::example_lanes);
   int threads = 2, reps = 7;
   int64_t B = 100, I = 1152, J = 10, D = 16, Din = 8, r = 3;
   std::string only;

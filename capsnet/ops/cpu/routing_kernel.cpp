@@ -24,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "capsnet/ops/cpu/routing_lanes.h"
 #include "capsnet/ops/cpu/vec.h"
 #include "capsnet/ops/routing.h"
 #include "capsnet/ops/routing_checks.h"
@@ -31,7 +32,8 @@
 namespace capsnet::ops::cpu {
 namespace {
 
-std::atomic<bool> force_baseline{false};  // ops::set_baseline_isa
+std::atomic<CpuIsa> forced_isa{CpuIsa::automatic};           // ops::set_cpu_isa
+std::atomic<CpuKernel> forced_kernel{CpuKernel::automatic};  // ops::set_cpu_kernel
 
 // Examples routed together per pass over i: the Din x J*D block of W_i is loaded once for all of them.
 constexpr int64_t kExampleBlock = 8;
@@ -311,7 +313,8 @@ CAPSNET_INLINE void prediction_grad_range(const StoredPredictor<T>& predict, con
 // target's default ISA (SSE2 on x86-64); on x86 with GCC/Clang a second copy is compiled for AVX2+FMA
 // via the target attribute and used when the CPU has both (the kernel bodies are always_inline, so they
 // are generated inside each wrapper; nothing outside them is compiled for AVX2, no ODR hazard).
-// ops::set_baseline_isa(true) forces the baseline copy (tests and benchmarks compare the two).
+// A third copy for AVX-512 (64-byte vectors) serves the example-lane kernels best: 16 float32 examples per
+// vector. ops::set_cpu_isa caps the copy (tests and benchmarks compare them).
 #define CAPSNET_DEFINE_ISA_WRAPPERS(SUFFIX, VB, ATTRIBUTE)                                                            \
   template <typename T, typename Predict>                                                                             \
   ATTRIBUTE void forward_range_##SUFFIX(const Predict& predict, const Dims& n, int64_t b_begin, int64_t b_end,        \
@@ -334,31 +337,119 @@ CAPSNET_INLINE void prediction_grad_range(const StoredPredictor<T>& predict, con
                                                 int64_t b_begin, int64_t b_end, const T* grad_v, const T* s_all,      \
                                                 T* a_all, T* gs_all, T* grad_u_hat) {                                 \
     prediction_grad_range<T, VB>(predict, n, full, b_begin, b_end, grad_v, s_all, a_all, gs_all, grad_u_hat);         \
+  }                                                                                                                   \
+  CAPSNET_DEFINE_LANE_WRAPPERS(SUFFIX, VB, ATTRIBUTE)
+
+// The example-lane kernels (routing_lanes.h), with the child dimension Din = 8 of every CapsNet here
+// compiled as a constant (unrolled loops, register accumulators) and any other Din at run time.
+#if CAPSNET_OPS_VEC
+#define CAPSNET_DEFINE_LANE_WRAPPERS(SUFFIX, VB, ATTRIBUTE)                                                          \
+  template <typename T>                                                                                              \
+  ATTRIBUTE void lanes_forward_##SUFFIX(const T* w, const T* ul, const lanes::LaneDims& n, int64_t q_begin,          \
+                                        int64_t q_end, T* s_all, T* v) {                                             \
+    if (n.Din == 8)                                                                                                  \
+      lanes::forward_blocks<T, VB, 8>(w, ul, n, q_begin, q_end, s_all, v);                                           \
+    else                                                                                                             \
+      lanes::forward_blocks<T, VB, 0>(w, ul, n, q_begin, q_end, s_all, v);                                           \
+  }                                                                                                                  \
+  template <typename T>                                                                                              \
+  ATTRIBUTE void lanes_state_##SUFFIX(const T* w, const T* ul, const lanes::LaneDims& n, bool full, int64_t q_begin, \
+                                      int64_t q_end, const T* gvl, const T* sl, T* al, T* gsl) {                     \
+    if (n.Din == 8)                                                                                                  \
+      lanes::state_blocks<T, VB, 8>(w, ul, n, full, q_begin, q_end, gvl, sl, al, gsl);                               \
+    else                                                                                                             \
+      lanes::state_blocks<T, VB, 0>(w, ul, n, full, q_begin, q_end, gvl, sl, al, gsl);                               \
+  }                                                                                                                  \
+  template <typename T>                                                                                              \
+  ATTRIBUTE void lanes_weight_grad_##SUFFIX(const T* w, const T* ul, const lanes::LaneDims& n, bool full,            \
+                                            int64_t i_begin, int64_t i_end, const T* al, const T* gsl, T* gul,       \
+                                            T* grad_w) {                                                             \
+    if (n.Din == 8)                                                                                                  \
+      lanes::weight_grad_children<T, VB, 8>(w, ul, n, full, i_begin, i_end, al, gsl, gul, grad_w);                   \
+    else                                                                                                             \
+      lanes::weight_grad_children<T, VB, 0>(w, ul, n, full, i_begin, i_end, al, gsl, gul, grad_w);                   \
   }
+#else
+#define CAPSNET_DEFINE_LANE_WRAPPERS(SUFFIX, VB, ATTRIBUTE)
+#endif
 
 CAPSNET_DEFINE_ISA_WRAPPERS(baseline, 16, )
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define CAPSNET_HAVE_AVX2_COPY 1
+#define CAPSNET_HAVE_X86_COPIES 1
 CAPSNET_DEFINE_ISA_WRAPPERS(avx2, 32, __attribute__((target("avx2,fma"))))
+CAPSNET_DEFINE_ISA_WRAPPERS(avx512, 64, __attribute__((target("avx512f,avx2,fma"))))
 #else
-#define CAPSNET_HAVE_AVX2_COPY 0
+#define CAPSNET_HAVE_X86_COPIES 0
 #endif
 
-bool use_avx2() {
-#if CAPSNET_HAVE_AVX2_COPY
-  static const bool cpu_has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return cpu_has && !force_baseline.load(std::memory_order_relaxed);  // read per call: tests switch it
+// The widest copy the CPU runs, capped by ops::set_cpu_isa (read per call: tests switch it).
+CpuIsa selected_isa() {
+#if CAPSNET_HAVE_X86_COPIES
+  static const CpuIsa best = __builtin_cpu_supports("avx512f")                                 ? CpuIsa::avx512
+                             : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? CpuIsa::avx2
+                                                                                               : CpuIsa::baseline;
 #else
-  return false;
+  static const CpuIsa best = CpuIsa::baseline;
 #endif
+  const CpuIsa cap = forced_isa.load(std::memory_order_relaxed);
+  return cap == CpuIsa::automatic ? best : std::min(cap, best);
 }
 
-#if CAPSNET_HAVE_AVX2_COPY
-#define CAPSNET_ISA_CALL(avx2, name, ...) \
-  ((avx2) ? name##_avx2<scalar_t>(__VA_ARGS__) : name##_baseline<scalar_t>(__VA_ARGS__))
+int64_t vector_bytes(CpuIsa isa) { return isa == CpuIsa::avx512 ? 64 : isa == CpuIsa::avx2 ? 32 : 16; }
+
+// Example lanes once the batch fills at least half a vector: measured (docs/kernels.md) the two layouts
+// break even at B = 8 with 16 float32 lanes, and below that most lanes would idle. The per-example
+// kernels otherwise, and always where the compiler has no vector extensions.
+bool use_lanes(CpuIsa isa, int64_t batch, int64_t element_size) {
+  if (!CAPSNET_OPS_VEC) return false;
+  const CpuKernel forced = forced_kernel.load(std::memory_order_relaxed);
+  if (forced != CpuKernel::automatic) return forced == CpuKernel::example_lanes;
+  return 2 * batch >= vector_bytes(isa) / element_size;
+}
+
+#if CAPSNET_HAVE_X86_COPIES
+#define CAPSNET_ISA_CALL(isa, name, ...)                          \
+  ((isa) == CpuIsa::avx512 ? name##_avx512<scalar_t>(__VA_ARGS__) \
+   : (isa) == CpuIsa::avx2 ? name##_avx2<scalar_t>(__VA_ARGS__)   \
+                           : name##_baseline<scalar_t>(__VA_ARGS__))
 #else
-#define CAPSNET_ISA_CALL(avx2, name, ...) name##_baseline<scalar_t>(__VA_ARGS__)
+#define CAPSNET_ISA_CALL(isa, name, ...) name##_baseline<scalar_t>(__VA_ARGS__)
 #endif
+
+// [B, M] -> [nblk, M, L] (lane l of block q = row q * L + l; rows past B are zero), and back.
+template <typename T>
+void pack_lanes(const T* src, int64_t B, int64_t M, int64_t L, T* dst) {
+  const int64_t nblk = (B + L - 1) / L;
+  at::parallel_for(0, nblk, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q)
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t b = q * L + l;
+        T* out = dst + q * M * L + l;
+        if (b < B)
+          for (int64_t m = 0; m < M; ++m) out[m * L] = src[b * M + m];
+        else
+          for (int64_t m = 0; m < M; ++m) out[m * L] = T(0);
+      }
+  });
+}
+template <typename T>
+void unpack_lanes(const T* src, int64_t B, int64_t M, int64_t L, T* dst) {
+  const int64_t nblk = (B + L - 1) / L;
+  at::parallel_for(0, nblk, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q)
+      for (int64_t l = 0; l < L && q * L + l < B; ++l) {
+        const T* in = src + q * M * L + l;
+        T* out = dst + (q * L + l) * M;
+        for (int64_t m = 0; m < M; ++m) out[m] = in[m * L];
+      }
+  });
+}
+at::Tensor lanes_buffer(int64_t nblk, at::IntArrayRef inner, int64_t L, const at::TensorOptions& options) {
+  std::vector<int64_t> sizes{nblk};
+  sizes.insert(sizes.end(), inner.begin(), inner.end());
+  sizes.push_back(L);
+  return at::empty(sizes, options);  // ATen's CPU allocator aligns to 64 bytes, so every row of L is a vector
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Dispatcher kernels.
@@ -372,19 +463,77 @@ std::tuple<at::Tensor, at::Tensor> capsule_routing_forward_cpu(const at::Tensor&
   detail::check_iterations(kFusedOp, iterations);
   const auto u = u_in.contiguous();
   const Dims n{u.size(0), W_in.size(0), W_in.size(1), W_in.size(2), W_in.size(3), iterations};
-  const auto wt = W_in.reshape({n.I, n.JD(), n.Din}).transpose(1, 2).contiguous();  // [I, Din, J*D]
   auto v = at::empty({n.B, n.J, n.D}, u.options());
   auto s_all = at::empty({n.B, n.r, n.J, n.D}, u.options());
-  const bool avx2 = use_avx2();
+  const CpuIsa isa = selected_isa();
+  if (n.B > 0 && use_lanes(isa, n.B, u.element_size())) {
+#if CAPSNET_OPS_VEC
+    const int64_t L = vector_bytes(isa) / u.element_size(), nblk = (n.B + L - 1) / L;
+    const auto w = W_in.contiguous();  // [I, J, D, Din] = [I, J*D, Din]
+    auto ul = lanes_buffer(nblk, {n.I, n.Din}, L, u.options());
+    const lanes::LaneDims ln{n.B, n.I, n.J, n.D, n.Din, n.r};
+    AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "capsule_routing_forward_cpu", [&] {
+      pack_lanes(u.data_ptr<scalar_t>(), n.B, n.I * n.Din, L, ul.data_ptr<scalar_t>());
+      const scalar_t* w_ptr = w.data_ptr<scalar_t>();
+      const scalar_t* ul_ptr = ul.data_ptr<scalar_t>();
+      scalar_t* s_ptr = s_all.data_ptr<scalar_t>();
+      scalar_t* v_ptr = v.data_ptr<scalar_t>();
+      at::parallel_for(0, nblk, 1, [&](int64_t begin, int64_t end) {
+        CAPSNET_ISA_CALL(isa, lanes_forward, w_ptr, ul_ptr, ln, begin, end, s_ptr, v_ptr);
+      });
+    });
+#endif
+    return {v, s_all};
+  }
+  const auto wt = W_in.reshape({n.I, n.JD(), n.Din}).transpose(1, 2).contiguous();  // [I, Din, J*D]
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "capsule_routing_forward_cpu", [&] {
     const WeightPredictor<scalar_t> predict{u.data_ptr<scalar_t>(), wt.data_ptr<scalar_t>(), n.I, n.Din, n.JD()};
     scalar_t* s_ptr = s_all.data_ptr<scalar_t>();
     scalar_t* v_ptr = v.data_ptr<scalar_t>();
     at::parallel_for(0, n.B, grain(n.I * n.JD() * (n.Din + 2 * n.D) * n.r), [&](int64_t begin, int64_t end) {
-      CAPSNET_ISA_CALL(avx2, forward_range, predict, n, begin, end, s_ptr, v_ptr);
+      CAPSNET_ISA_CALL(isa, forward_range, predict, n, begin, end, s_ptr, v_ptr);
     });
   });
   return {v, s_all};
+}
+
+// Backward with example lanes: pack u, grad_v and s_all into lanes, phase 1 over blocks, phase 2 over
+// children (writing dW in W's own layout), unpack du.
+std::tuple<at::Tensor, at::Tensor> capsule_routing_backward_lanes(CpuIsa isa, const Dims& n, const at::Tensor& grad_v,
+                                                                  const at::Tensor& u, const at::Tensor& W_in,
+                                                                  const at::Tensor& s_all, bool full) {
+  auto grad_u = at::empty_like(u);  // [B, I, Din]
+  auto grad_W = at::empty({n.I, n.J, n.D, n.Din}, u.options());
+#if CAPSNET_OPS_VEC
+  const int64_t L = vector_bytes(isa) / u.element_size(), nblk = (n.B + L - 1) / L;
+  const auto w = W_in.contiguous();
+  const auto opts = u.options();
+  auto ul = lanes_buffer(nblk, {n.I, n.Din}, L, opts), gul = lanes_buffer(nblk, {n.I, n.Din}, L, opts);
+  auto gvl = lanes_buffer(nblk, {n.JD()}, L, opts), sl = lanes_buffer(nblk, {n.r, n.JD()}, L, opts);
+  auto al = lanes_buffer(nblk, {n.r, n.JD()}, L, opts), gsl = at::zeros_like(al);
+  const lanes::LaneDims ln{n.B, n.I, n.J, n.D, n.Din, n.r};
+  AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "capsule_routing_backward_cpu", [&] {
+    pack_lanes(u.data_ptr<scalar_t>(), n.B, n.I * n.Din, L, ul.data_ptr<scalar_t>());
+    pack_lanes(grad_v.data_ptr<scalar_t>(), n.B, n.JD(), L, gvl.data_ptr<scalar_t>());
+    pack_lanes(s_all.data_ptr<scalar_t>(), n.B, n.r * n.JD(), L, sl.data_ptr<scalar_t>());
+    const scalar_t* w_ptr = w.data_ptr<scalar_t>();
+    const scalar_t* ul_ptr = ul.data_ptr<scalar_t>();
+    scalar_t* al_ptr = al.data_ptr<scalar_t>();
+    scalar_t* gsl_ptr = gsl.data_ptr<scalar_t>();
+    const scalar_t* gvl_ptr = gvl.data_ptr<scalar_t>();
+    const scalar_t* sl_ptr = sl.data_ptr<scalar_t>();
+    scalar_t* gul_ptr = gul.data_ptr<scalar_t>();
+    scalar_t* gw_ptr = grad_W.data_ptr<scalar_t>();
+    at::parallel_for(0, nblk, 1, [&](int64_t begin, int64_t end) {
+      CAPSNET_ISA_CALL(isa, lanes_state, w_ptr, ul_ptr, ln, full, begin, end, gvl_ptr, sl_ptr, al_ptr, gsl_ptr);
+    });
+    at::parallel_for(0, n.I, grain(n.B * n.JD() * (3 * n.Din + 3 * n.D) * n.r), [&](int64_t begin, int64_t end) {
+      CAPSNET_ISA_CALL(isa, lanes_weight_grad, w_ptr, ul_ptr, ln, full, begin, end, al_ptr, gsl_ptr, gul_ptr, gw_ptr);
+    });
+    unpack_lanes(gul.data_ptr<scalar_t>(), n.B, n.I * n.Din, L, grad_u.data_ptr<scalar_t>());
+  });
+#endif
+  return {grad_u, grad_W};
 }
 
 std::tuple<at::Tensor, at::Tensor> capsule_routing_backward_cpu(const at::Tensor& grad_v_in, const at::Tensor& u_in,
@@ -397,12 +546,15 @@ std::tuple<at::Tensor, at::Tensor> capsule_routing_backward_cpu(const at::Tensor
   detail::check_backward_state(kFusedOp, grad_v_in, s_all_in, n.B, n.J, n.D, u);
   const auto grad_v = grad_v_in.contiguous();
   const auto s_all = s_all_in.contiguous();
+  const bool full = grad_through_routing;
+  const CpuIsa isa = selected_isa();
+  if (n.B > 0 && use_lanes(isa, n.B, u.element_size()))
+    return capsule_routing_backward_lanes(isa, n, grad_v, u, W_in, s_all, full);
   const auto wt = W_in.reshape({n.I, n.JD(), n.Din}).transpose(1, 2).contiguous();  // [I, Din, J*D]
   auto a_all = at::empty_like(s_all);
   auto gs_all = at::zeros_like(s_all);
   auto grad_u = at::empty_like(u);                              // [B, I, Din]
   auto grad_wt = at::zeros({n.I, n.Din, n.JD()}, u.options());  // [I, Din, J*D]
-  const bool full = grad_through_routing, avx2 = use_avx2();
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "capsule_routing_backward_cpu", [&] {
     const WeightPredictor<scalar_t> predict{u.data_ptr<scalar_t>(), wt.data_ptr<scalar_t>(), n.I, n.Din, n.JD()};
     const scalar_t* gv_ptr = grad_v.data_ptr<scalar_t>();
@@ -414,11 +566,11 @@ std::tuple<at::Tensor, at::Tensor> capsule_routing_backward_cpu(const at::Tensor
     // Phase 1 over examples (each writes only its own state rows).
     const int64_t state_flops = full ? n.I * n.JD() * (n.Din + 3 * n.D) * (n.r - 1) : n.JD() * n.r;
     at::parallel_for(0, n.B, grain(state_flops), [&](int64_t begin, int64_t end) {
-      CAPSNET_ISA_CALL(avx2, backward_state_range, predict, n, full, begin, end, gv_ptr, s_ptr, a_ptr, gs_ptr);
+      CAPSNET_ISA_CALL(isa, backward_state_range, predict, n, full, begin, end, gv_ptr, s_ptr, a_ptr, gs_ptr);
     });
     // Phase 2 over children i (each owns its rows of dW).
     at::parallel_for(0, n.I, grain(n.B * n.JD() * (3 * n.Din + 3 * n.D) * n.r), [&](int64_t begin, int64_t end) {
-      CAPSNET_ISA_CALL(avx2, weight_grad_range, predict, n, full, begin, end, a_ptr, gs_ptr, gu_ptr, gwt_ptr);
+      CAPSNET_ISA_CALL(isa, weight_grad_range, predict, n, full, begin, end, a_ptr, gs_ptr, gu_ptr, gwt_ptr);
     });
   });
   auto grad_W = grad_wt.transpose(1, 2).contiguous().view({n.I, n.J, n.D, n.Din});
@@ -433,13 +585,13 @@ std::tuple<at::Tensor, at::Tensor> routing_from_predictions_forward_cpu(const at
   const Dims n{u_hat.size(0), u_hat.size(1), u_hat.size(2), u_hat.size(3), 0, iterations};
   auto v = at::empty({n.B, n.J, n.D}, u_hat.options());
   auto s_all = at::empty({n.B, n.r, n.J, n.D}, u_hat.options());
-  const bool avx2 = use_avx2();
+  const CpuIsa isa = selected_isa();
   AT_DISPATCH_FLOATING_TYPES(u_hat.scalar_type(), "routing_from_predictions_forward_cpu", [&] {
     const StoredPredictor<scalar_t> predict{u_hat.data_ptr<scalar_t>(), n.I, n.JD()};
     scalar_t* s_ptr = s_all.data_ptr<scalar_t>();
     scalar_t* v_ptr = v.data_ptr<scalar_t>();
     at::parallel_for(0, n.B, grain(n.I * n.JD() * 4 * n.r), [&](int64_t begin, int64_t end) {
-      CAPSNET_ISA_CALL(avx2, forward_range, predict, n, begin, end, s_ptr, v_ptr);
+      CAPSNET_ISA_CALL(isa, forward_range, predict, n, begin, end, s_ptr, v_ptr);
     });
   });
   return {v, s_all};
@@ -457,7 +609,8 @@ at::Tensor routing_from_predictions_backward_cpu(const at::Tensor& grad_v_in, co
   auto a_all = at::empty_like(s_all);
   auto gs_all = at::zeros_like(s_all);
   auto grad_u_hat = at::empty_like(u_hat);  // [B, I, J, D]
-  const bool full = grad_through_routing, avx2 = use_avx2();
+  const bool full = grad_through_routing;
+  const CpuIsa isa = selected_isa();
   AT_DISPATCH_FLOATING_TYPES(u_hat.scalar_type(), "routing_from_predictions_backward_cpu", [&] {
     const StoredPredictor<scalar_t> predict{u_hat.data_ptr<scalar_t>(), n.I, n.JD()};
     const scalar_t* gv_ptr = grad_v.data_ptr<scalar_t>();
@@ -467,7 +620,7 @@ at::Tensor routing_from_predictions_backward_cpu(const at::Tensor& grad_v_in, co
     scalar_t* g_ptr = grad_u_hat.data_ptr<scalar_t>();
     // Both phases over examples: every example writes only its own rows of grad_u_hat.
     at::parallel_for(0, n.B, grain(n.I * n.JD() * 6 * n.r), [&](int64_t begin, int64_t end) {
-      CAPSNET_ISA_CALL(avx2, prediction_grad_range, predict, n, full, begin, end, gv_ptr, s_ptr, a_ptr, gs_ptr, g_ptr);
+      CAPSNET_ISA_CALL(isa, prediction_grad_range, predict, n, full, begin, end, gv_ptr, s_ptr, a_ptr, gs_ptr, g_ptr);
     });
   });
   return grad_u_hat;
@@ -487,7 +640,8 @@ at::Tensor routing_from_predictions_cpu(const at::Tensor& u_hat, int64_t iterati
 }  // namespace capsnet::ops::cpu
 
 namespace capsnet::ops {
-void set_baseline_isa(bool on) { cpu::force_baseline.store(on, std::memory_order_relaxed); }
+void set_cpu_isa(CpuIsa isa) { cpu::forced_isa.store(isa, std::memory_order_relaxed); }
+void set_cpu_kernel(CpuKernel kernel) { cpu::forced_kernel.store(kernel, std::memory_order_relaxed); }
 }  // namespace capsnet::ops
 
 TORCH_LIBRARY_IMPL(capsnet, CPU, m) {

@@ -1,10 +1,12 @@
 #pragma once
 // Minimal fixed-width SIMD helpers for the CPU kernels: GCC/Clang vector extensions of VB bytes
-// (VB = 16: SSE2 / NEON registers, the baseline; VB = 32: AVX registers, used under target("avx2")).
+// (VB = 16: SSE2 / NEON registers, the baseline; VB = 32: AVX registers, used under target("avx2");
+// VB = 64: AVX-512 registers, used under target("avx512f")).
 // VB must match the ISA the code is generated for: wider generic vectors are lowered through the stack.
 // They keep accumulators in registers (plain arrays end up on the stack) and give reductions an
 // explicit order (no -ffast-math needed). Other compilers get the scalar loops (CAPSNET_OPS_VEC = 0).
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -44,6 +46,14 @@ template <>
 struct Vec<double, 32> {
   typedef double type __attribute__((vector_size(32)));
 };
+template <>
+struct Vec<float, 64> {
+  typedef float type __attribute__((vector_size(64)));
+};
+template <>
+struct Vec<double, 64> {
+  typedef double type __attribute__((vector_size(64)));
+};
 template <typename T, int VB>
 using V = typename Vec<T, VB>::type;
 
@@ -61,11 +71,55 @@ template <typename T, int VB>
 CAPSNET_INLINE V<T, VB> splat(T x) {
   return V<T, VB>{} + x;
 }
+// Sum of the lanes: wider vectors are folded in halves down to 16 bytes, then summed in lane order.
 template <typename T, int VB>
 CAPSNET_INLINE T hsum(V<T, VB> v) {
-  T s = 0;
-  for (int64_t l = 0; l < int64_t(VB / sizeof(T)); ++l) s += v[l];
-  return s;
+  if constexpr (VB > 16) {
+    V<T, VB / 2> lo, hi;
+    std::memcpy(&lo, &v, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+    return hsum<T, VB / 2>(lo + hi);
+  } else {
+    T s = 0;
+    for (int64_t l = 0; l < int64_t(VB / sizeof(T)); ++l) s += v[l];
+    return s;
+  }
+}
+template <typename T, int VB>
+CAPSNET_INLINE V<T, VB> max(V<T, VB> a, V<T, VB> b) {
+  return a > b ? a : b;
+}
+
+/// exp of every lane. float: Cephes' expf scheme (exp(x) = 2^n exp(g), |g| <= ln2 / 2, degree-6
+/// polynomial, within 2 ulp of std::exp on [-87, 88]; inputs below -87 give exp(-87) ~ 1.6e-38, not 0 or a
+/// subnormal, which only the softmax uses and where it is negligible against the largest term 1).
+/// double: std::exp per lane (the float64 path only runs in tests, where exactness matters more).
+template <int VB>
+CAPSNET_INLINE V<float, VB> exp(V<float, VB> x) {
+  using Vf = V<float, VB>;
+  typedef int32_t Vi __attribute__((vector_size(VB)));
+  x = x < Vf{} + 88.0f ? x : Vf{} + 88.0f;
+  x = x > Vf{} - 87.0f ? x : Vf{} - 87.0f;
+  // n = round(x / ln2): adding and subtracting 1.5 * 2^23 rounds to the nearest integer (|x / ln2| < 2^22).
+  const Vf magic = Vf{} + 12582912.0f;
+  const Vf n = (x * 1.44269504088896341f + magic) - magic;
+  const Vf g = x - n * 0.693359375f - n * -2.12194440e-4f;  // x - n ln2, ln2 split in two for exactness
+  Vf p = Vf{} + 1.9875691500e-4f;
+  p = p * g + 1.3981999507e-3f;
+  p = p * g + 8.3334519073e-3f;
+  p = p * g + 4.1665795894e-2f;
+  p = p * g + 1.6666665459e-1f;
+  p = p * g + 5.0000001201e-1f;
+  const Vf eg = p * g * g + g + 1.0f;
+  const Vi bits = (__builtin_convertvector(n, Vi) + 127) << 23;  // 2^n as a float's bits (n in [-126, 127])
+  Vf two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return eg * two_n;
+}
+template <int VB>
+CAPSNET_INLINE V<double, VB> exp(V<double, VB> x) {
+  for (int64_t l = 0; l < int64_t(VB / sizeof(double)); ++l) x[l] = std::exp(x[l]);
+  return x;
 }
 #endif
 
