@@ -346,6 +346,25 @@ TEST(FusedRouting, SameResultWithOneOrTwoThreads) {
   EXPECT_TRUE(torch::equal(one.grad_W, two.grad_W));
 }
 
+TEST(FusedRouting, AnExamplesOutputDoesNotDependOnTheBatchItIsRoutedIn) {
+  // The default (example-lane) kernels give every example the same operations in the same order in any
+  // lane of any vector width, so routing it alone, in a batch of 3 or in a batch of 37 (several blocks,
+  // other lane positions) gives bit-identical outputs; `capsnet predict --batch-size` relies on it.
+  torch::manual_seed(7);
+  torch::Tensor u, W, R;
+  make_inputs({37, 70, 10, 16, 8}, torch::kFloat, u, W, R);
+  torch::NoGradGuard no_grad;
+  const auto all = capsnet::ops::capsule_routing(u, W, 3, true);
+  for (const int64_t b : {0, 1, 5, 17, 36}) {
+    EXPECT_TRUE(torch::equal(capsnet::ops::capsule_routing(u.slice(0, b, b + 1), W, 3, true), all.slice(0, b, b + 1)))
+        << "example " << b << " alone";
+    const int64_t first = std::min<int64_t>(b, 34);
+    EXPECT_TRUE(torch::equal(capsnet::ops::capsule_routing(u.slice(0, first, first + 3), W, 3, true),
+                             all.slice(0, first, first + 3)))
+        << "examples " << first << ".." << first + 2;
+  }
+}
+
 TEST(FusedRouting, NoGradAndDispatcherPathsAgree) {
   torch::manual_seed(6);
   torch::Tensor u, W, R;

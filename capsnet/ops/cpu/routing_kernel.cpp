@@ -340,34 +340,36 @@ CAPSNET_INLINE void prediction_grad_range(const StoredPredictor<T>& predict, con
   }                                                                                                                   \
   CAPSNET_DEFINE_LANE_WRAPPERS(SUFFIX, VB, ATTRIBUTE)
 
-// The example-lane kernels (routing_lanes.h), with the child dimension Din = 8 of every CapsNet here
-// compiled as a constant (unrolled loops, register accumulators) and any other Din at run time.
+// The example-lane kernels (routing_lanes.h), for lane vectors of VBL <= VB bytes (narrower vectors
+// serve small batches with the same per-lane arithmetic, see lane_bytes), with the child dimension
+// Din = 8 of every CapsNet here compiled as a constant (unrolled loops, register accumulators) and any
+// other Din at run time.
 #if CAPSNET_OPS_VEC
 #define CAPSNET_DEFINE_LANE_WRAPPERS(SUFFIX, VB, ATTRIBUTE)                                                          \
-  template <typename T>                                                                                              \
+  template <typename T, int VBL>                                                                                     \
   ATTRIBUTE void lanes_forward_##SUFFIX(const T* w, const T* ul, const lanes::LaneDims& n, int64_t q_begin,          \
                                         int64_t q_end, T* s_all, T* v) {                                             \
     if (n.Din == 8)                                                                                                  \
-      lanes::forward_blocks<T, VB, 8>(w, ul, n, q_begin, q_end, s_all, v);                                           \
+      lanes::forward_blocks<T, VBL, 8>(w, ul, n, q_begin, q_end, s_all, v);                                          \
     else                                                                                                             \
-      lanes::forward_blocks<T, VB, 0>(w, ul, n, q_begin, q_end, s_all, v);                                           \
+      lanes::forward_blocks<T, VBL, 0>(w, ul, n, q_begin, q_end, s_all, v);                                          \
   }                                                                                                                  \
-  template <typename T>                                                                                              \
+  template <typename T, int VBL>                                                                                     \
   ATTRIBUTE void lanes_state_##SUFFIX(const T* w, const T* ul, const lanes::LaneDims& n, bool full, int64_t q_begin, \
                                       int64_t q_end, const T* gvl, const T* sl, T* al, T* gsl) {                     \
     if (n.Din == 8)                                                                                                  \
-      lanes::state_blocks<T, VB, 8>(w, ul, n, full, q_begin, q_end, gvl, sl, al, gsl);                               \
+      lanes::state_blocks<T, VBL, 8>(w, ul, n, full, q_begin, q_end, gvl, sl, al, gsl);                              \
     else                                                                                                             \
-      lanes::state_blocks<T, VB, 0>(w, ul, n, full, q_begin, q_end, gvl, sl, al, gsl);                               \
+      lanes::state_blocks<T, VBL, 0>(w, ul, n, full, q_begin, q_end, gvl, sl, al, gsl);                              \
   }                                                                                                                  \
-  template <typename T>                                                                                              \
+  template <typename T, int VBL>                                                                                     \
   ATTRIBUTE void lanes_weight_grad_##SUFFIX(const T* w, const T* ul, const lanes::LaneDims& n, bool full,            \
                                             int64_t i_begin, int64_t i_end, const T* al, const T* gsl, T* gul,       \
                                             T* grad_w) {                                                             \
     if (n.Din == 8)                                                                                                  \
-      lanes::weight_grad_children<T, VB, 8>(w, ul, n, full, i_begin, i_end, al, gsl, gul, grad_w);                   \
+      lanes::weight_grad_children<T, VBL, 8>(w, ul, n, full, i_begin, i_end, al, gsl, gul, grad_w);                  \
     else                                                                                                             \
-      lanes::weight_grad_children<T, VB, 0>(w, ul, n, full, i_begin, i_end, al, gsl, gul, grad_w);                   \
+      lanes::weight_grad_children<T, VBL, 0>(w, ul, n, full, i_begin, i_end, al, gsl, gul, grad_w);                  \
   }
 #else
 #define CAPSNET_DEFINE_LANE_WRAPPERS(SUFFIX, VB, ATTRIBUTE)
@@ -397,15 +399,35 @@ CpuIsa selected_isa() {
 
 int64_t vector_bytes(CpuIsa isa) { return isa == CpuIsa::avx512 ? 64 : isa == CpuIsa::avx2 ? 32 : 16; }
 
-// Example lanes once the batch fills at least half a vector: measured (docs/kernels.md) the two layouts
-// break even at B = 8 with 16 float32 lanes, and below that most lanes would idle. The per-example
-// kernels otherwise, and always where the compiler has no vector extensions.
-bool use_lanes(CpuIsa isa, int64_t batch, int64_t element_size) {
+// The fused op runs the example-lane kernels unless set_cpu_kernel forces the per-example ones (or the
+// compiler has no vector extensions).
+bool use_lanes() {
   if (!CAPSNET_OPS_VEC) return false;
-  const CpuKernel forced = forced_kernel.load(std::memory_order_relaxed);
-  if (forced != CpuKernel::automatic) return forced == CpuKernel::example_lanes;
-  return 2 * batch >= vector_bytes(isa) / element_size;
+  return forced_kernel.load(std::memory_order_relaxed) != CpuKernel::per_example;
 }
+
+// Lane vector width for a batch: the narrowest of 16, 32, ... up to the ISA's widest whose lanes hold the
+// whole batch. Every lane does the same operations in the same order whatever the width and whichever
+// lane an example lands in, so an example's outputs do not depend on the batch it is in (predict in
+// batches of 3 answers exactly as in one batch of 256: tested), while small batches idle fewer lanes
+// (measured in docs/kernels.md).
+int64_t lane_bytes(CpuIsa isa, int64_t batch, int64_t element_size) {
+  int64_t bytes = vector_bytes(isa);
+  while (bytes > 16 && batch * element_size <= bytes / 2) bytes /= 2;
+  return bytes;
+}
+
+#if CAPSNET_HAVE_X86_COPIES
+#define CAPSNET_LANES_CALL(isa, vbl, name, ...)                                                          \
+  ((isa) == CpuIsa::avx512 ? ((vbl) == 64   ? name##_avx512<scalar_t, 64>(__VA_ARGS__)                   \
+                              : (vbl) == 32 ? name##_avx512<scalar_t, 32>(__VA_ARGS__)                   \
+                                            : name##_avx512<scalar_t, 16>(__VA_ARGS__))                  \
+   : (isa) == CpuIsa::avx2                                                                               \
+       ? ((vbl) == 32 ? name##_avx2<scalar_t, 32>(__VA_ARGS__) : name##_avx2<scalar_t, 16>(__VA_ARGS__)) \
+       : name##_baseline<scalar_t, 16>(__VA_ARGS__))
+#else
+#define CAPSNET_LANES_CALL(isa, vbl, name, ...) name##_baseline<scalar_t, 16>(__VA_ARGS__)
+#endif
 
 #if CAPSNET_HAVE_X86_COPIES
 #define CAPSNET_ISA_CALL(isa, name, ...)                          \
@@ -466,9 +488,10 @@ std::tuple<at::Tensor, at::Tensor> capsule_routing_forward_cpu(const at::Tensor&
   auto v = at::empty({n.B, n.J, n.D}, u.options());
   auto s_all = at::empty({n.B, n.r, n.J, n.D}, u.options());
   const CpuIsa isa = selected_isa();
-  if (n.B > 0 && use_lanes(isa, n.B, u.element_size())) {
+  if (n.B > 0 && use_lanes()) {
 #if CAPSNET_OPS_VEC
-    const int64_t L = vector_bytes(isa) / u.element_size(), nblk = (n.B + L - 1) / L;
+    const int64_t vbl = lane_bytes(isa, n.B, u.element_size());
+    const int64_t L = vbl / u.element_size(), nblk = (n.B + L - 1) / L;
     const auto w = W_in.contiguous();  // [I, J, D, Din] = [I, J*D, Din]
     auto ul = lanes_buffer(nblk, {n.I, n.Din}, L, u.options());
     const lanes::LaneDims ln{n.B, n.I, n.J, n.D, n.Din, n.r};
@@ -479,7 +502,7 @@ std::tuple<at::Tensor, at::Tensor> capsule_routing_forward_cpu(const at::Tensor&
       scalar_t* s_ptr = s_all.data_ptr<scalar_t>();
       scalar_t* v_ptr = v.data_ptr<scalar_t>();
       at::parallel_for(0, nblk, 1, [&](int64_t begin, int64_t end) {
-        CAPSNET_ISA_CALL(isa, lanes_forward, w_ptr, ul_ptr, ln, begin, end, s_ptr, v_ptr);
+        CAPSNET_LANES_CALL(isa, vbl, lanes_forward, w_ptr, ul_ptr, ln, begin, end, s_ptr, v_ptr);
       });
     });
 #endif
@@ -505,7 +528,8 @@ std::tuple<at::Tensor, at::Tensor> capsule_routing_backward_lanes(CpuIsa isa, co
   auto grad_u = at::empty_like(u);  // [B, I, Din]
   auto grad_W = at::empty({n.I, n.J, n.D, n.Din}, u.options());
 #if CAPSNET_OPS_VEC
-  const int64_t L = vector_bytes(isa) / u.element_size(), nblk = (n.B + L - 1) / L;
+  const int64_t vbl = lane_bytes(isa, n.B, u.element_size());
+  const int64_t L = vbl / u.element_size(), nblk = (n.B + L - 1) / L;
   const auto w = W_in.contiguous();
   const auto opts = u.options();
   auto ul = lanes_buffer(nblk, {n.I, n.Din}, L, opts), gul = lanes_buffer(nblk, {n.I, n.Din}, L, opts);
@@ -525,10 +549,11 @@ std::tuple<at::Tensor, at::Tensor> capsule_routing_backward_lanes(CpuIsa isa, co
     scalar_t* gul_ptr = gul.data_ptr<scalar_t>();
     scalar_t* gw_ptr = grad_W.data_ptr<scalar_t>();
     at::parallel_for(0, nblk, 1, [&](int64_t begin, int64_t end) {
-      CAPSNET_ISA_CALL(isa, lanes_state, w_ptr, ul_ptr, ln, full, begin, end, gvl_ptr, sl_ptr, al_ptr, gsl_ptr);
+      CAPSNET_LANES_CALL(isa, vbl, lanes_state, w_ptr, ul_ptr, ln, full, begin, end, gvl_ptr, sl_ptr, al_ptr, gsl_ptr);
     });
     at::parallel_for(0, n.I, grain(n.B * n.JD() * (3 * n.Din + 3 * n.D) * n.r), [&](int64_t begin, int64_t end) {
-      CAPSNET_ISA_CALL(isa, lanes_weight_grad, w_ptr, ul_ptr, ln, full, begin, end, al_ptr, gsl_ptr, gul_ptr, gw_ptr);
+      CAPSNET_LANES_CALL(isa, vbl, lanes_weight_grad, w_ptr, ul_ptr, ln, full, begin, end, al_ptr, gsl_ptr, gul_ptr,
+                         gw_ptr);
     });
     unpack_lanes(gul.data_ptr<scalar_t>(), n.B, n.I * n.Din, L, grad_u.data_ptr<scalar_t>());
   });
@@ -548,8 +573,7 @@ std::tuple<at::Tensor, at::Tensor> capsule_routing_backward_cpu(const at::Tensor
   const auto s_all = s_all_in.contiguous();
   const bool full = grad_through_routing;
   const CpuIsa isa = selected_isa();
-  if (n.B > 0 && use_lanes(isa, n.B, u.element_size()))
-    return capsule_routing_backward_lanes(isa, n, grad_v, u, W_in, s_all, full);
+  if (n.B > 0 && use_lanes()) return capsule_routing_backward_lanes(isa, n, grad_v, u, W_in, s_all, full);
   const auto wt = W_in.reshape({n.I, n.JD(), n.Din}).transpose(1, 2).contiguous();  // [I, Din, J*D]
   auto a_all = at::empty_like(s_all);
   auto gs_all = at::zeros_like(s_all);
