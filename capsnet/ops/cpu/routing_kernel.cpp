@@ -347,12 +347,17 @@ CAPSNET_INLINE void prediction_grad_range(const StoredPredictor<T>& predict, con
 #if CAPSNET_OPS_VEC
 #define CAPSNET_DEFINE_LANE_WRAPPERS(SUFFIX, VB, ATTRIBUTE)                                                          \
   template <typename T, int VBL>                                                                                     \
-  ATTRIBUTE void lanes_forward_##SUFFIX(const T* w, const T* ul, const lanes::LaneDims& n, int64_t q_begin,          \
-                                        int64_t q_end, T* s_all, T* v) {                                             \
+  ATTRIBUTE void lanes_forward_chunks_##SUFFIX(const T* w, const T* ul, const lanes::LaneDims& n, int64_t t,         \
+                                               int64_t task_begin, int64_t task_end, const T* a, T* parts) {         \
     if (n.Din == 8)                                                                                                  \
-      lanes::forward_blocks<T, VBL, 8>(w, ul, n, q_begin, q_end, s_all, v);                                          \
+      lanes::forward_chunks<T, VBL, 8>(w, ul, n, t, task_begin, task_end, a, parts);                                 \
     else                                                                                                             \
-      lanes::forward_blocks<T, VBL, 0>(w, ul, n, q_begin, q_end, s_all, v);                                          \
+      lanes::forward_chunks<T, VBL, 0>(w, ul, n, t, task_begin, task_end, a, parts);                                 \
+  }                                                                                                                  \
+  template <typename T, int VBL>                                                                                     \
+  ATTRIBUTE void lanes_forward_finish_##SUFFIX(const lanes::LaneDims& n, int64_t t, int64_t q_begin, int64_t q_end,  \
+                                               const T* parts, T* a, T* s_all, T* v) {                               \
+    lanes::forward_finish<T, VBL>(n, t, q_begin, q_end, parts, a, s_all, v);                                         \
   }                                                                                                                  \
   template <typename T, int VBL>                                                                                     \
   ATTRIBUTE void lanes_state_##SUFFIX(const T* w, const T* ul, const lanes::LaneDims& n, bool full, int64_t q_begin, \
@@ -493,17 +498,27 @@ std::tuple<at::Tensor, at::Tensor> capsule_routing_forward_cpu(const at::Tensor&
     const int64_t vbl = lane_bytes(isa, n.B, u.element_size());
     const int64_t L = vbl / u.element_size(), nblk = (n.B + L - 1) / L;
     const auto w = W_in.contiguous();  // [I, J, D, Din] = [I, J*D, Din]
+    const int64_t nchunk = lanes::child_chunks(n.I);
     auto ul = lanes_buffer(nblk, {n.I, n.Din}, L, u.options());
+    auto a = at::zeros({nblk, n.JD(), L}, u.options());                 // A^t per block, in lanes
+    auto parts = lanes_buffer(nblk, {nchunk, n.JD()}, L, u.options());  // partial s^t per (block, chunk)
     const lanes::LaneDims ln{n.B, n.I, n.J, n.D, n.Din, n.r};
     AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "capsule_routing_forward_cpu", [&] {
       pack_lanes(u.data_ptr<scalar_t>(), n.B, n.I * n.Din, L, ul.data_ptr<scalar_t>());
       const scalar_t* w_ptr = w.data_ptr<scalar_t>();
       const scalar_t* ul_ptr = ul.data_ptr<scalar_t>();
+      scalar_t* a_ptr = a.data_ptr<scalar_t>();
+      scalar_t* parts_ptr = parts.data_ptr<scalar_t>();
       scalar_t* s_ptr = s_all.data_ptr<scalar_t>();
       scalar_t* v_ptr = v.data_ptr<scalar_t>();
-      at::parallel_for(0, nblk, 1, [&](int64_t begin, int64_t end) {
-        CAPSNET_LANES_CALL(isa, vbl, lanes_forward, w_ptr, ul_ptr, ln, begin, end, s_ptr, v_ptr);
-      });
+      for (int64_t t = 0; t < n.r; ++t) {  // per iteration: the (block, chunk) sums in parallel, then per block
+        at::parallel_for(0, nblk * nchunk, 1, [&](int64_t begin, int64_t end) {
+          CAPSNET_LANES_CALL(isa, vbl, lanes_forward_chunks, w_ptr, ul_ptr, ln, t, begin, end, a_ptr, parts_ptr);
+        });
+        at::parallel_for(0, nblk, 1, [&](int64_t begin, int64_t end) {
+          CAPSNET_LANES_CALL(isa, vbl, lanes_forward_finish, ln, t, begin, end, parts_ptr, a_ptr, s_ptr, v_ptr);
+        });
+      }
     });
 #endif
     return {v, s_all};

@@ -169,49 +169,73 @@ CAPSNET_INLINE void squash_backward(const vec::V<T, VB>* s, const vec::V<T, VB>*
   }
 }
 
-// Forward of blocks [q_begin, q_end): r passes over the children per block; writes s_all [B, r, J*D] and v [B, J*D] for
-// the block's real examples.
+// Children per chunk of the forward's sum over i. Each (block, chunk) pair is one parallel task: with
+// several chunks per block a single example (B = 1) keeps both cores busy and B = 100 (7 blocks) splits
+// evenly. Partial sums are added in chunk order, so the summation order of s never depends on the
+// batch size or the thread count.
+constexpr int64_t kChildChunk = 128;
+
+inline int64_t child_chunks(int64_t I) { return (I + kChildChunk - 1) / kChildChunk; }
+
+// Forward, iteration t, tasks [task_begin, task_end) of (block q, chunk k) = (task / nchunk, task % nchunk):
+// parts[q, k] = sum over the chunk's children of c^t_ij u_hat_ij (t = 0: of u_hat_ij, c = 1/J applied in
+// forward_finish). a: [nblk, J*D] A^t per block; parts: [nblk, nchunk, J*D].
 template <typename T, int VB, int DIN>
-CAPSNET_INLINE void forward_blocks(const T* w, const T* ul, const LaneDims& n, int64_t q_begin, int64_t q_end, T* s_all,
-                                   T* v) {
+CAPSNET_INLINE void forward_chunks(const T* w, const T* ul, const LaneDims& n, int64_t t, int64_t task_begin,
+                                   int64_t task_end, const T* a, T* parts) {
+  using Vt = vec::V<T, VB>;
+  const int64_t JD = n.JD(), J = n.J, D = n.D, Din = child_dims<DIN>(n.Din), nchunk = child_chunks(n.I);
+  Scratch<T, VB> scratch(JD + J);
+  Vt* const uh = scratch.data();  // u_hat_{.|i}
+  Vt* const c = uh + JD;          // c^t_i
+  for (int64_t task = task_begin; task < task_end; ++task) {
+    const int64_t q = task / nchunk, k = task % nchunk;
+    const Vt* uq = reinterpret_cast<const Vt*>(ul) + q * n.I * Din;
+    const Vt* aq = reinterpret_cast<const Vt*>(a) + q * JD;
+    Vt* s = reinterpret_cast<Vt*>(parts) + task * JD;
+    std::fill(s, s + JD, Vt{});
+    for (int64_t i = k * kChildChunk; i < std::min(n.I, (k + 1) * kChildChunk); ++i) {
+      const T* w_i = w + i * JD * Din;
+      if (t == 0) {  // c_ij = 1/J: sum the predictions, scale once in forward_finish
+        predict_child<T, VB, DIN, true>(w_i, uq + i * Din, JD, Din, s);
+        continue;
+      }
+      predict_child<T, VB, DIN, false>(w_i, uq + i * Din, JD, Din, uh);
+      coupling<T, VB>(uh, aq, J, D, c);
+      for (int64_t j = 0; j < J; ++j)
+        for (int64_t d = 0; d < D; ++d) s[j * D + d] += c[j] * uh[j * D + d];
+    }
+  }
+}
+
+// Forward, end of iteration t for blocks [q_begin, q_end): s^t = the chunks' partial sums in chunk order
+// (scaled by 1/J when t = 0), v^t = squash(s^t), A^(t+1) = A^t + v^t; writes s_all [B, r, J*D] and, for
+// t = r-1, v [B, J*D] for the block's real examples.
+template <typename T, int VB>
+CAPSNET_INLINE void forward_finish(const LaneDims& n, int64_t t, int64_t q_begin, int64_t q_end, const T* parts, T* a,
+                                   T* s_all, T* v) {
   using Vt = vec::V<T, VB>;
   constexpr int64_t L = VB / sizeof(T);
-  const int64_t JD = n.JD(), J = n.J, D = n.D, r = n.r, Din = child_dims<DIN>(n.Din);
-  Scratch<T, VB> scratch(4 * JD + J);
-  Vt* const a = scratch.data();  // A^t
-  Vt* const s = a + JD;          // s^t
-  Vt* const uh = s + JD;         // u_hat_{.|i}
-  Vt* const vt = uh + JD;        // v^t
-  Vt* const c = vt + JD;         // c^t_i
-  const Vt* const u_lanes = reinterpret_cast<const Vt*>(ul);
+  const int64_t JD = n.JD(), J = n.J, D = n.D, r = n.r, nchunk = child_chunks(n.I);
+  Scratch<T, VB> scratch(2 * JD);
+  Vt* const s = scratch.data();
+  Vt* const vt = s + JD;
   for (int64_t q = q_begin; q < q_end; ++q) {
-    const Vt* uq = u_lanes + q * n.I * Din;
-    const int64_t lanes = std::min(L, n.B - q * L);
-    std::fill(a, a + JD, Vt{});
-    for (int64_t t = 0; t < r; ++t) {
-      std::fill(s, s + JD, Vt{});
-      for (int64_t i = 0; i < n.I; ++i) {
-        const T* w_i = w + i * JD * Din;
-        if (t == 0) {  // c_ij = 1/J: sum the predictions, scale once after the pass
-          predict_child<T, VB, DIN, true>(w_i, uq + i * Din, JD, Din, s);
-          continue;
-        }
-        predict_child<T, VB, DIN, false>(w_i, uq + i * Din, JD, Din, uh);
-        coupling<T, VB>(uh, a, J, D, c);
-        for (int64_t j = 0; j < J; ++j)
-          for (int64_t d = 0; d < D; ++d) s[j * D + d] += c[j] * uh[j * D + d];
-      }
-      if (t == 0)
-        for (int64_t x = 0; x < JD; ++x) s[x] *= T(1) / T(J);
-      squash_forward<T, VB>(s, J, D, vt);
-      for (int64_t x = 0; x < JD; ++x) a[x] += vt[x];
-      for (int64_t l = 0; l < lanes; ++l) {
-        const int64_t b = q * L + l;
-        T* st = s_all + (b * r + t) * JD;
-        for (int64_t x = 0; x < JD; ++x) st[x] = s[x][l];
-        if (t + 1 == r)
-          for (int64_t x = 0; x < JD; ++x) v[b * JD + x] = vt[x][l];
-      }
+    const Vt* pq = reinterpret_cast<const Vt*>(parts) + q * nchunk * JD;
+    std::copy(pq, pq + JD, s);
+    for (int64_t k = 1; k < nchunk; ++k)
+      for (int64_t x = 0; x < JD; ++x) s[x] += pq[k * JD + x];
+    if (t == 0)
+      for (int64_t x = 0; x < JD; ++x) s[x] *= T(1) / T(J);
+    squash_forward<T, VB>(s, J, D, vt);
+    Vt* aq = reinterpret_cast<Vt*>(a) + q * JD;
+    for (int64_t x = 0; x < JD; ++x) aq[x] += vt[x];
+    for (int64_t l = 0; l < std::min(L, n.B - q * L); ++l) {
+      const int64_t b = q * L + l;
+      T* st = s_all + (b * r + t) * JD;
+      for (int64_t x = 0; x < JD; ++x) st[x] = s[x][l];
+      if (t + 1 == r)
+        for (int64_t x = 0; x < JD; ++x) v[b * JD + x] = vt[x][l];
     }
   }
 }
