@@ -2,8 +2,8 @@
 // Example-lane kernels of capsule_routing (the fused op): one SIMD lane per example, so every inner
 // loop of Procedure 1 (predictions, agreements, softmax, weighted sums, their gradients) is a plain
 // vector multiply-add over L = VB / sizeof(T) examples at once, with no horizontal reduction except
-// for dW (a sum over examples). Used for batches of at least half a vector (routing_kernel.cpp picks);
-// the per-example kernels in routing_kernel.cpp serve smaller batches. Only routing_kernel.cpp
+// for dW (a sum over examples). The fused op's default for every batch, with vectors as narrow as the
+// batch allows (routing_kernel.cpp, lane_bytes). Only routing_kernel.cpp
 // includes this file: the bodies are always_inline and generated inside its per-ISA wrappers.
 //
 // Layouts (T = float or double; nblk = ceil(B / L); lane l of block q is example q * L + l, lanes past
