@@ -47,37 +47,128 @@ std::string cell(const nlohmann::json& v) {
   return json_table(v);  // nested objects / arrays of objects: a table inside the cell
 }
 
-// Training curves of one metrics.jsonl: loss and accuracy by step (train records), test accuracy (eval).
+// What the page knows of an experiment kind beyond the generic tables, matched by the "task" of its summary
+// JSON and of its metrics' start record: the charts of its curves, one results row per run (columns read
+// from the summary), and the figures its run writes beside the summary. A run of no listed kind gets the
+// classifier's charts and the generic tables. To recognise another kind, add an entry to kinds().
+struct Curve {
+  const char* label;
+  const char* event;  // records of metrics.jsonl it reads: "train" or "eval"
+  const char* key;
+  bool percent = false;  // its last value (eval curves) is printed as a percentage
+};
+struct Chart {
+  const char* y_label;
+  std::vector<Curve> curves;
+};
+struct Column {
+  enum Format { kNumber, kPercent, kCount };  // kCount: an integer with thousands separators (1,023,873)
+  const char* header;
+  const char* pointer;  // JSON pointer into the summary; an absent value leaves the cell empty
+  Format format = kNumber;
+};
+struct Kind {
+  std::string task;  // "" = any run of no listed kind
+  std::string title;
+  std::vector<Chart> charts;
+  std::vector<Column> columns;
+  std::vector<std::string> figures;  // PNG names, in reading order; captions from the summary's "figures"
+};
+
+const std::vector<Kind>& kinds() {
+  static const std::vector<Kind> all{
+      {"",
+       "",
+       {{"loss", {{"train loss", "train", "loss"}}},
+        {"accuracy", {{"train accuracy", "train", "accuracy"}, {"test accuracy", "eval", "accuracy", true}}}},
+       {},
+       {}},
+      {"capspix2pix",
+       "CapsPix2pix and pix2pix (capsnet capspix2pix, docs/capspix2pix.md)",
+       {{"generator L1", {{"train L1", "train", "l1"}, {"test L1", "eval", "l1"}}},
+        {"GAN loss (BCE)", {{"discriminator", "train", "d_loss"}, {"generator GAN term", "train", "g_gan"}}}},
+       {{"generator", "/generator"},
+        {"G parameters", "/generator_parameters", Column::kCount},
+        {"D parameters", "/discriminator_parameters", Column::kCount},
+        {"steps", "/steps", Column::kCount},
+        {"batch", "/batch_size"},
+        {"images", "/images_seen", Column::kCount},
+        {"test maps", "/test/maps"},
+        {"L1", "/test/l1"},
+        {"PSNR (dB)", "/test/psnr_db"},
+        {"SSIM", "/test/ssim"},
+        {"diversity", "/test/diversity"},
+        {"label consistency", "/test/label_consistency/generated", Column::kPercent},
+        {"real images (ceiling)", "/test/label_consistency/real", Column::kPercent}},
+       {"capspix2pix_compare.png", "capspix2pix_variations.png", "capspix2pix_interpolation.png"}},
+  };
+  return all;
+}
+
+const Kind& kind_of(const nlohmann::json& record) {
+  if (record.is_object() && record.contains("task") && record["task"].is_string())
+    for (const auto& k : kinds())
+      if (!k.task.empty() && k.task == record["task"].get<std::string>()) return k;
+  return kinds().front();
+}
+
+std::string percent(double v) { return std::isfinite(v) ? fmt::format("{:.2f}%", 100 * v) : "–"; }
+
+// The results row of one run of `kind`: "run", then the kind's columns present in the summary.
+nlohmann::json results_row(const Kind& kind, const std::string& run, const nlohmann::json& summary) {
+  nlohmann::json row = {{"run", run}};
+  for (const auto& c : kind.columns) {
+    const nlohmann::json::json_pointer at(c.pointer);
+    if (!summary.contains(at)) continue;
+    const auto& v = summary[at];
+    row[c.header] = v;
+    if (c.format == Column::kPercent && v.is_number()) row[c.header] = percent(v.get<double>());
+    if (c.format == Column::kCount && v.is_number_integer()) {
+      std::string digits = std::to_string(v.get<int64_t>());
+      for (int i = int(digits.size()) - 3; i > (digits[0] == '-' ? 1 : 0); i -= 3) digits.insert(size_t(i), ",");
+      row[c.header] = digits;
+    }
+  }
+  return row;
+}
+
+// Training curves of one metrics.jsonl, drawn as its kind says (by default loss and accuracy by step from
+// the train records, test accuracy from the eval records), and the last value of each eval curve.
 std::string metrics_section(const fs::path& path, const std::string& name) {
-  Series loss{"train loss", {}, {}}, acc{"train accuracy", {}, {}}, test{"test accuracy", {}, {}};
+  std::vector<nlohmann::json> records;
   std::ifstream in(path);
   std::string line;
-  nlohmann::json start;
   while (std::getline(in, line)) {
     if (line.empty()) continue;
     nlohmann::json r = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     // Tolerate a line cut by an interrupted run, or any record of another shape: skip it.
-    if (!r.is_object() || !r.contains("event") || !r["event"].is_string()) continue;
-    const auto event = r["event"].get<std::string>();
-    if (event == "start") start = r;
-    if (!r.contains("step") || !r["step"].is_number()) continue;
-    const double step = r["step"].get<double>();
-    auto number_at = [&](const char* key) { return r.contains(key) && r[key].is_number(); };
-    if (event == "train") {
-      if (number_at("loss")) loss.x.push_back(step), loss.y.push_back(r["loss"].get<double>());
-      if (number_at("accuracy")) acc.x.push_back(step), acc.y.push_back(r["accuracy"].get<double>());
-    } else if (event == "eval" && number_at("accuracy")) {
-      test.x.push_back(step), test.y.push_back(r["accuracy"].get<double>());
-    }
+    if (r.is_object() && r.contains("event") && r["event"].is_string()) records.push_back(std::move(r));
   }
-  std::string html = fmt::format("<h3>{}</h3>\n", html_escape(name));
-  if (loss.x.empty() && test.x.empty()) return html + "<p>No training records yet.</p>\n";
-  html += "<div class=charts>" + svg_line_chart({loss}, "step", "loss") +
-          svg_line_chart({acc, test}, "step", "accuracy") + "</div>\n";
-  if (!test.y.empty())
-    html += fmt::format("<p>Last test accuracy: <b>{:.2f}%</b> at step {}.</p>\n", 100 * test.y.back(),
-                        number(test.x.back()));
-  return html;
+  const auto start = std::find_if(records.begin(), records.end(), [](auto& r) { return r["event"] == "start"; });
+  const Kind& kind = start == records.end() ? kinds().front() : kind_of(*start);
+
+  std::string charts, last;
+  bool any = false;
+  for (const auto& chart : kind.charts) {
+    std::vector<Series> series;
+    for (const auto& c : chart.curves) {
+      Series s{c.label, {}, {}};
+      for (const auto& r : records)
+        if (r["event"] == c.event && r.contains("step") && r["step"].is_number() && r.contains(c.key) &&
+            r[c.key].is_number())
+          s.x.push_back(r["step"].get<double>()), s.y.push_back(r[c.key].get<double>());
+      any = any || !s.x.empty();
+      if (std::string(c.event) == "eval" && !s.y.empty())
+        last += fmt::format("<p>Last {}: <b>{}</b> at step {}.</p>\n", html_escape(c.label),
+                            c.percent ? percent(s.y.back()) : number(s.y.back()), number(s.x.back()));
+      series.push_back(std::move(s));
+    }
+    charts += svg_line_chart(series, "step", chart.y_label);
+  }
+  std::string html = kind.task.empty() ? fmt::format("<h3>{}</h3>\n", html_escape(name))
+                                       : fmt::format("<h3>{} ({})</h3>\n", html_escape(name), html_escape(kind.task));
+  if (!any) return html + "<p>No training records yet.</p>\n";
+  return html + "<div class=charts>" + charts + "</div>\n" + last;
 }
 
 // Bench JSON lines: the summary records (medians + ratios) as tables.
@@ -244,29 +335,80 @@ ReportSummary write_report(const std::string& runs_dir, const std::string& out_p
     if (e.is_regular_file() && fs::weakly_canonical(e.path()) != out_abs) files.push_back(e.path());
   std::sort(files.begin(), files.end());
 
+  // Summaries parsed once; a summary named after its kind (e.g. run/capspix2pix.json) owns the kind's
+  // figures in its folder: they are drawn together, in the kind's order, captioned by the summary.
+  std::map<fs::path, nlohmann::json> parsed;
+  std::map<fs::path, const Kind*> owner;
+  for (const auto& p : files) {
+    if (p.extension() != ".json") continue;
+    const auto& j = parsed[p] = nlohmann::json::parse(read_file(p), nullptr, false);
+    const Kind& kind = kind_of(j);
+    if (!kind.task.empty() && p.filename() == kind.task + ".json") owner[p.parent_path()] = &kind;
+  }
+
   ReportSummary summary;
   std::string curves, figures, tables;
+  std::vector<nlohmann::json> rows(kinds().size(), nlohmann::json::array());
   auto rel = [&](const fs::path& p) { return fs::relative(p, runs_dir).string(); };
+  auto figure = [&](const fs::path& p, const std::string& caption_html) {
+    ++summary.figures;
+    return fmt::format(
+        "<figure><img alt=\"{}\" src=\"data:image/png;base64,{}\"><figcaption>{}</figcaption></figure>\n",
+        html_escape(rel(p)), base64_encode(read_file(p)), caption_html);
+  };
+  const std::string metrics_suffix = ".metrics.jsonl";  // docs/runs keeps a run's metrics as NAME.metrics.jsonl
+  auto ends_with = [](const std::string& s, const std::string& tail) {
+    return s.size() > tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+  };
   for (const auto& p : files) {
     const auto ext = p.extension().string();
     const auto name = p.filename().string();
-    if (name == "metrics.jsonl") {
-      curves += metrics_section(p, rel(p.parent_path()));
+    if (name == "metrics.jsonl" || ends_with(name, metrics_suffix)) {
+      const std::string run = name == "metrics.jsonl" ? rel(p.parent_path())
+                                                      : rel(p).substr(0, rel(p).size() - metrics_suffix.size());
+      curves += metrics_section(p, run);
       ++summary.runs_with_metrics;
     } else if (ext == ".png") {
-      figures += fmt::format("<figure><img alt=\"{0}\" src=\"data:image/png;base64,{1}\"><figcaption>{0}</figcaption></figure>\n",
-                             html_escape(rel(p)), base64_encode(read_file(p)));
-      ++summary.figures;
+      const auto o = owner.find(p.parent_path());
+      const auto& theirs = o == owner.end() ? std::vector<std::string>{} : o->second->figures;
+      if (std::find(theirs.begin(), theirs.end(), name) == theirs.end()) figures += figure(p, html_escape(rel(p)));
     } else if (ext == ".jsonl") {
       const std::string t = bench_section(p, summary.tables);
       if (!t.empty()) tables += fmt::format("<h3>{}</h3>\n", html_escape(rel(p))) + t;
     } else if (ext == ".json") {
-      auto j = nlohmann::json::parse(read_file(p), nullptr, false);
+      const auto& j = parsed[p];
       if (j.is_discarded()) continue;
+      if (const Kind& kind = kind_of(j); !kind.task.empty()) {
+        const bool owns = owner.count(p.parent_path()) && name == kind.task + ".json";
+        const std::string run =
+            owns && rel(p.parent_path()) != "." ? rel(p.parent_path()) : rel(fs::path(p).replace_extension());
+        rows[&kind - kinds().data()].push_back(results_row(kind, run, j));
+        std::string group;
+        for (const auto& f : owns ? kind.figures : std::vector<std::string>{}) {
+          if (!fs::is_regular_file(p.parent_path() / f)) continue;
+          std::string caption = html_escape(rel(p.parent_path() / f));
+          const auto what = j.value("figures", nlohmann::json::object());  // {name: what it shows}
+          if (what.is_object() && what.contains(f) && what[f].is_string())
+            caption += ": " + html_escape(what[f].get<std::string>());
+          group += figure(p.parent_path() / f, caption);
+        }
+        if (!group.empty())
+          figures += fmt::format("<h3>{} ({})</h3>\n", html_escape(run), html_escape(kind.task)) + group;
+      }
       tables += fmt::format("<h3>{}</h3>\n", html_escape(rel(p))) + json_table(j);
       ++summary.tables;
     }
   }
+  // One table per recognised kind, a row per run, ahead of the full summaries.
+  std::string kind_tables;
+  for (size_t k = 0; k < kinds().size(); ++k) {
+    if (rows[k].empty()) continue;
+    std::vector<std::string> columns{"run"};
+    for (const auto& c : kinds()[k].columns) columns.push_back(c.header);
+    kind_tables += fmt::format("<h3>{}</h3>\n", html_escape(kinds()[k].title)) + json_table(rows[k], columns);
+    ++summary.tables;
+  }
+  tables = kind_tables + tables;
 
   std::string page = fmt::format(R"(<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{0}</title>

@@ -1,7 +1,7 @@
 #pragma once
 // `capsnet report`: one self-contained HTML page gathering what the experiments wrote under a runs
 // directory: training curves (metrics.jsonl), figures (*.png, embedded), and result tables (*.json and
-// bench *.jsonl summaries).
+// bench *.jsonl summaries), with a results row per run for the experiment kinds it recognises.
 
 #include <nlohmann/json.hpp>
 
@@ -37,8 +37,14 @@ struct ReportSummary {
 };
 
 /// Scans `runs_dir` recursively and writes the page to `out_path` (parent directories created).
-/// Files are visited in sorted path order so the page is reproducible. Throws std::runtime_error if
-/// `runs_dir` is not a directory or the page cannot be written.
+/// Curves come from metrics.jsonl (and NAME.metrics.jsonl) files, figures from *.png, tables from *.json
+/// and bench *.jsonl. Runs of a recognised experiment kind (the "task" of their summary JSON and of their
+/// metrics' start record; today capspix2pix) get that kind's curves (e.g. generator L1, discriminator
+/// loss), a results table with one row per run ahead of the full summaries, and the figures beside a
+/// summary named TASK.json grouped under the run with the summary's captions; any other run gets the
+/// classifier's curves (loss, accuracy) and the generic tables. Files are visited in sorted path order
+/// so the page is reproducible. Throws std::runtime_error if `runs_dir` is not a directory or the page
+/// cannot be written.
 ReportSummary write_report(const std::string& runs_dir, const std::string& out_path,
                            const std::string& title = "capsnet report");
 

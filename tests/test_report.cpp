@@ -109,6 +109,97 @@ TEST(ReportTest, PageGathersCurvesFiguresAndTables) {
   EXPECT_EQ(slurp(out), html);
 }
 
+// A CapsPix2pix run as `capsnet capspix2pix` leaves it (metrics.jsonl, capspix2pix.json, the three
+// figures), and one kept as docs/runs does (NAME.json + NAME.metrics.jsonl, no figures).
+TEST(ReportTest, CapsPix2pixRunsGetTheirRowCurvesAndFigures) {
+  testing::TempDir dir;
+  const std::string runs = dir / "runs";
+  std::filesystem::create_directories(runs + "/p2p/caps");
+  auto metrics = [](const std::string& path, double test_l1, int last_step) {
+    std::ofstream m(path);
+    m << R"({"event":"start","step":0,"task":"capspix2pix","model":{"generator":"caps"}})" << '\n';
+    for (int s = 1; s <= 3; ++s)
+      m << nlohmann::json{{"event", "train"}, {"step", 100 * s}, {"loss", 60.0 / s}, {"d_loss", 0.5 / s},
+                          {"g_gan", 1.0 + s}, {"l1", 0.6 / s}}.dump()
+        << '\n';
+    m << nlohmann::json{{"event", "eval"}, {"split", "test"}, {"step", last_step}, {"l1", test_l1}, {"psnr", 18.2}}
+             .dump()
+      << '\n';
+  };
+  auto summary = [](const std::string& generator, int64_t params, int steps, double l1, double psnr, double ssim,
+                    double diversity) {
+    return nlohmann::json{{"task", "capspix2pix"},
+                          {"generator", generator},
+                          {"generator_parameters", params},
+                          {"discriminator_parameters", 136769},
+                          {"steps", steps},
+                          {"batch_size", 16},
+                          {"images_seen", steps * 16},
+                          {"train_seconds", 660.5},
+                          {"test",
+                           {{"maps", 500}, {"l1", l1}, {"psnr_db", psnr}, {"ssim", ssim}, {"diversity", diversity}}}};
+  };
+  metrics(runs + "/p2p/caps/metrics.jsonl", 0.1019, 963);
+  auto caps = summary("caps", 74977, 963, 0.1019, 18.23, 0.585, 0.0078);
+  caps["test"]["label_consistency"] = {{"generated", 0.644}, {"real", 0.754}};
+  for (const char* f : {"compare", "variations", "interpolation"}) {
+    const std::string name = std::string("capspix2pix_") + f + ".png";
+    viz::write_png_gray(runs + "/p2p/caps/" + name, torch::rand({8, 6}));
+    caps["figures"][name] = std::string("the <") + f + "> figure";
+  }
+  viz::write_png_gray(runs + "/p2p/caps/other.png", torch::rand({4, 4}));  // not the kind's: a plain figure
+  std::ofstream(runs + "/p2p/caps/capspix2pix.json") << caps.dump(2);
+  metrics(runs + "/p2p/cnn.metrics.jsonl", 0.0794, 596);
+  std::ofstream(runs + "/p2p/cnn.json") << summary("cnn", 1023873, 596, 0.0794, 18.37, 0.625, 0.0525).dump(2);
+
+  const auto s = apps::write_report(runs, dir / "page.html", "p2p");
+  EXPECT_EQ(s.runs_with_metrics, 2);
+  EXPECT_EQ(s.figures, 4);
+  EXPECT_EQ(s.tables, 3);  // the CapsPix2pix table + the two full summaries
+  const auto html = slurp(dir / "page.html");
+
+  // The results table: one row per run, columns in the kind's order, label consistency only where scored.
+  EXPECT_NE(html.find("<h3>CapsPix2pix and pix2pix (capsnet capspix2pix, docs/capspix2pix.md)</h3>\n<table>\n"
+                      "<tr><th>run</th><th>generator</th><th>G parameters</th><th>D parameters</th><th>steps</th>"
+                      "<th>batch</th><th>images</th><th>test maps</th><th>L1</th><th>PSNR (dB)</th>"
+                      "<th>SSIM</th><th>diversity</th><th>label consistency</th><th>real images (ceiling)</th></tr>\n"
+                      "<tr><td>p2p/caps</td><td>caps</td><td>74,977</td><td>136,769</td><td>963</td><td>16</td>"
+                      "<td>15,408</td><td>500</td><td>0.1019</td><td>18.23</td><td>0.585</td>"
+                      "<td>0.0078</td><td>64.40%</td><td>75.40%</td></tr>\n"
+                      "<tr><td>p2p/cnn</td><td>cnn</td><td>1,023,873</td><td>136,769</td><td>596</td><td>16</td>"
+                      "<td>9,536</td><td>500</td><td>0.0794</td><td>18.37</td><td>0.625</td>"
+                      "<td>0.0525</td><td></td><td></td></tr>\n</table>\n"),
+            std::string::npos)
+      << html;
+  // It leads the Results section, ahead of the full summaries.
+  EXPECT_LT(html.find("<h3>CapsPix2pix and pix2pix"), html.find("<h3>p2p/caps/capspix2pix.json</h3>"));
+
+  // Curves: generator L1 (train and test) and the GAN losses, for both layouts; no accuracy chart.
+  EXPECT_NE(html.find("<h3>p2p/caps (capspix2pix)</h3>\n<div class=charts>"), std::string::npos);
+  EXPECT_NE(html.find("<h3>p2p/cnn (capspix2pix)</h3>\n<div class=charts>"), std::string::npos);
+  EXPECT_EQ(count(html, "aria-label=\"generator L1 by step\""), 2u);
+  EXPECT_EQ(count(html, "aria-label=\"GAN loss (BCE) by step\""), 2u);
+  EXPECT_EQ(count(html, "<svg"), 4u);
+  for (const char* legend :
+       {">train L1</text>", ">test L1</text>", ">discriminator</text>", ">generator GAN term</text>"})
+    EXPECT_EQ(count(html, legend), 2u) << legend;
+  EXPECT_NE(html.find("Last test L1: <b>0.1019</b> at step 963."), std::string::npos);
+  EXPECT_NE(html.find("Last test L1: <b>0.0794</b> at step 596."), std::string::npos);
+
+  // Figures: the run's three, once each, in the seed's order, captioned by the summary; others stay plain.
+  const auto compare = html.find("alt=\"p2p/caps/capspix2pix_compare.png\"");
+  const auto variations = html.find("alt=\"p2p/caps/capspix2pix_variations.png\"");
+  const auto interpolation = html.find("alt=\"p2p/caps/capspix2pix_interpolation.png\"");
+  ASSERT_NE(interpolation, std::string::npos);
+  EXPECT_LT(html.find("<h2>Figures</h2>\n<h3>p2p/caps (capspix2pix)</h3>\n<figure>"), compare);
+  EXPECT_LT(compare, variations);
+  EXPECT_LT(variations, interpolation);
+  EXPECT_EQ(count(html, "capspix2pix_compare.png\" src=\"data:image/png;base64,iVBORw0KGgo"), 1u);
+  EXPECT_NE(html.find("<figcaption>p2p/caps/capspix2pix_variations.png: the &lt;variations&gt; figure</figcaption>"),
+            std::string::npos);
+  EXPECT_NE(html.find("<figcaption>p2p/caps/other.png</figcaption>"), std::string::npos);
+}
+
 TEST(ReportTest, CliWritesThePageAndRejectsAMissingDirectory) {
   testing::TempDir dir;
   std::filesystem::create_directories(dir / "runs");
