@@ -100,8 +100,9 @@ CapsNetOutput CapsNetImpl::forward(const torch::Tensor& images, const std::optio
   CapsNetOutput out;
   // The decoder still reconstructs (and the loss compares with) the untransformed input.
   const auto x = stn ? stn(images) : images;      // [B, C, S, S]
-  // conv1 -> ReLU -> PrimaryCaps conv run in the compute precision; u is fp32.
-  auto u = primary_caps(torch::relu(nn::conv2d_at(conv1, x, precision_)), precision_);  // [B, I, 8]
+  // conv1 -> ReLU -> PrimaryCaps conv run in the compute precision; u is fp32. Without autograd the
+  // three stay in oneDNN's blocked layout with weights reordered once (nn/blocked_conv.h).
+  auto u = primary_caps(torch::relu(nn::conv2d_at(conv1, x, precision_, &conv1_blocked_)), precision_);  // [B, I, 8]
   out.digit_caps = digit_caps(u);                      // [B, K, 16]
   out.lengths = capsule_length(out.digit_caps);        // [B, K]
   if (decoder) {

@@ -101,6 +101,7 @@ class CapsNetImpl : public torch::nn::Cloneable<CapsNetImpl> {
 
  private:
   nn::Precision precision_ = nn::Precision::kFloat32;
+  nn::BlockedConvWeights conv1_blocked_;  // conv1's weights in oneDNN's layout, for inference
 };
 TORCH_MODULE(CapsNet);
 

@@ -1,5 +1,7 @@
 #include "capsnet/nn/precision.h"
 
+#include "capsnet/nn/batch_swapped_conv.h"
+
 #include <cpuid.h>
 #include <fmt/format.h>
 
@@ -36,15 +38,27 @@ Precision parse_precision(const std::string& name) {
 
 std::string precision_name(Precision precision) { return precision == Precision::kBFloat16 ? "bf16" : "fp32"; }
 
-torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x, Precision precision) {
-  if (precision == Precision::kFloat32) return conv->forward(x);
+torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Precision precision,
+                        BlockedConvWeights* blocked) {
   const auto dtype = compute_dtype(precision);
+  if (blocked && BlockedConvWeights::usable(conv, x_in, dtype)) return blocked->forward(conv, x_in, dtype);
+  const auto x = x_in.is_mkldnn() ? x_in.to_dense() : x_in;
+  if (precision == Precision::kFloat32) return conv->forward(x);
   const auto& o = conv->options;
   // padding is c10::variant in LibTorch 1.13 and std::variant in 2.x: `get` found by ADL serves both.
   TORCH_CHECK(o.padding().index() == 0 && o.padding_mode().index() == 0,
               "conv2d_at: only numeric zero padding is supported");
   using std::get;
   const torch::ExpandingArray<2> padding = get<0>(o.padding());
+  // Many input channels: oneDNN's bf16 weight gradient is ~2x slower than the same FLOPs as a forward
+  // convolution (measured, docs/kernels.md), so the weight gradient runs batch-swapped. With few
+  // (Conv1: 1) the swapped form is slower (8.5 vs 14 ms at batch 100) and oneDNN's stays.
+  if (o.groups() == 1 && o.in_channels() >= kBatchSwappedMinInChannels) {
+    const Conv2dGeometry geometry{{o.stride()->at(0), o.stride()->at(1)}, {padding->at(0), padding->at(1)},
+                                  {o.dilation()->at(0), o.dilation()->at(1)}};
+    return conv2d_batch_swapped(x.to(dtype), conv->weight.to(dtype),
+                                conv->bias.defined() ? conv->bias.to(dtype) : conv->bias, geometry);
+  }
   return torch::conv2d(x.to(dtype), conv->weight.to(dtype), conv->bias.defined() ? conv->bias.to(dtype) : conv->bias,
                        o.stride(), padding, o.dilation(), o.groups());
 }

@@ -8,6 +8,8 @@
 
 #include <string>
 
+#include "capsnet/nn/blocked_conv.h"
+
 namespace capsnet::nn {
 
 enum class Precision { kFloat32, kBFloat16 };
@@ -26,9 +28,18 @@ inline torch::ScalarType compute_dtype(Precision precision) {
   return precision == Precision::kBFloat16 ? torch::kBFloat16 : torch::kFloat32;
 }
 
+/// Input channels from which conv2d_at's bf16 convolutions compute their weight gradient batch-swapped
+/// (nn/batch_swapped_conv.h): PrimaryCaps (256) does, Conv1 (1) does not.
+constexpr int64_t kBatchSwappedMinInChannels = 32;
+
 /// conv(x) with input, weight and bias in the compute dtype (the output stays in it). Autograd
-/// returns fp32 gradients to the fp32 weights through the casts.
-torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x, Precision precision);
+/// returns fp32 gradients to the fp32 weights through the casts. In bf16 with at least
+/// kBatchSwappedMinInChannels input channels (groups 1) the weight gradient is computed batch-swapped.
+/// With `blocked` and autograd off (BlockedConvWeights::usable), it runs on oneDNN's blocked tensors
+/// with weights reordered once, and returns a blocked tensor (is_mkldnn()): the caller calls
+/// to_dense() where it leaves its convolution stack. A blocked x is accepted either way.
+torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x, Precision precision,
+                        BlockedConvWeights* blocked = nullptr);
 /// linear(x) likewise.
 torch::Tensor linear_at(torch::nn::Linear& linear, const torch::Tensor& x, Precision precision);
 

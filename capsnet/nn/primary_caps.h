@@ -17,7 +17,7 @@ struct PrimaryCapsOptions {
 
 /// PrimaryCaps: one convolution with capsule_types * capsule_dim channels, regrouped into
 /// capsule_dim-vectors (atoms last, *then* flattened) and squashed.
-/// x: [B, in_channels, H, W] -> u: [B, capsule_types * H' * W', capsule_dim], order (type, y, x).
+/// x: [B, in_channels, H, W] (dense, or blocked from a previous blocked convolution) -> u: [B, capsule_types * H' * W', capsule_dim], order (type, y, x).
 class PrimaryCapsImpl : public torch::nn::Cloneable<PrimaryCapsImpl> {
  public:
   explicit PrimaryCapsImpl(const PrimaryCapsOptions& options);
@@ -26,6 +26,8 @@ class PrimaryCapsImpl : public torch::nn::Cloneable<PrimaryCapsImpl> {
 
   PrimaryCapsOptions options;
   torch::nn::Conv2d conv{nullptr};
+  /// conv's weights in oneDNN's blocked layout, for forward passes without autograd (nn/blocked_conv.h).
+  BlockedConvWeights blocked_conv;
 };
 TORCH_MODULE(PrimaryCaps);
 

@@ -1,0 +1,78 @@
+#include "capsnet/nn/batch_swapped_conv.h"
+
+namespace capsnet::nn {
+namespace {
+
+std::vector<int64_t> as_vector(const std::array<int64_t, 2>& a) { return {a[0], a[1]}; }
+std::array<int64_t, 2> as_array(const c10::IValue& v) {
+  const auto list = v.toIntVector();
+  return {list[0], list[1]};
+}
+
+class Conv2dBatchSwappedFunction : public torch::autograd::Function<Conv2dBatchSwappedFunction> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               const torch::Tensor& b, const Conv2dGeometry& g) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["stride"] = as_vector(g.stride);
+    ctx->saved_data["padding"] = as_vector(g.padding);
+    ctx->saved_data["dilation"] = as_vector(g.dilation);
+    return at::conv2d(x, w, b, as_vector(g.stride), as_vector(g.padding), as_vector(g.dilation));
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& x = saved[0];
+    const auto& w = saved[1];
+    const Conv2dGeometry g{as_array(ctx->saved_data["stride"]), as_array(ctx->saved_data["padding"]),
+                           as_array(ctx->saved_data["dilation"])};
+    const auto dy = grads[0].contiguous();  // dy: [N, O, P, Q]
+    torch::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0))
+      dx = std::get<0>(at::convolution_backward(dy, x, w, c10::nullopt, as_vector(g.stride), as_vector(g.padding),
+                                                as_vector(g.dilation), /*transposed=*/false, {0, 0}, /*groups=*/1,
+                                                {true, false, false}));
+    if (ctx->needs_input_grad(1)) dw = conv2d_weight_grad_batch_swapped(dy, x, {w.size(2), w.size(3)}, g);
+    if (ctx->needs_input_grad(2)) db = dy.sum({0, 2, 3});
+    return {dx, dw, db, torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor conv2d_weight_grad_batch_swapped(const torch::Tensor& dy, const torch::Tensor& x,
+                                               std::array<int64_t, 2> kernel, const Conv2dGeometry& g) {
+  TORCH_CHECK(dy.dim() == 4 && x.dim() == 4 && dy.size(0) == x.size(0),
+              "conv2d_weight_grad_batch_swapped: dy [N, O, P, Q] and x [N, C, H, W] must share N");
+  // The forward read padded rows [0, s*(P-1) + d*(K-1) + 1): pad explicitly, then crop to exactly those
+  // rows and columns, so the swapped convolution yields K x K outputs (no extra row to compute and drop).
+  auto xp = x;
+  if (g.padding[0] > 0 || g.padding[1] > 0)
+    xp = at::constant_pad_nd(x, {g.padding[1], g.padding[1], g.padding[0], g.padding[0]});
+  const int64_t rows = g.stride[0] * (dy.size(2) - 1) + g.dilation[0] * (kernel[0] - 1) + 1;
+  const int64_t cols = g.stride[1] * (dy.size(3) - 1) + g.dilation[1] * (kernel[1] - 1) + 1;
+  TORCH_CHECK(rows <= xp.size(2) && cols <= xp.size(3),
+              "conv2d_weight_grad_batch_swapped: dy's spatial size does not fit x's");
+  const auto xt = xp.slice(2, 0, rows).slice(3, 0, cols).transpose(0, 1).contiguous();  // xt: [C, N, rows, cols]
+  const auto dyt = dy.transpose(0, 1).contiguous();                                     // dyt: [O, N, P, Q]
+  // Stride and dilation trade places: output (kh, kw) reads x at d*kh + s*i.
+  const auto z = at::conv2d(xt, dyt, torch::Tensor(), as_vector(g.dilation), std::vector<int64_t>{0, 0},
+                            as_vector(g.stride));  // z: [C, O, K0, K1]
+  return z.transpose(0, 1).contiguous();                                                    // [O, C, K0, K1]
+}
+
+torch::Tensor conv2d_weight_grad_reference(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& w,
+                                           const Conv2dGeometry& g) {
+  return std::get<1>(at::convolution_backward(dy, x, w, c10::nullopt, as_vector(g.stride), as_vector(g.padding),
+                                              as_vector(g.dilation), /*transposed=*/false, {0, 0}, /*groups=*/1,
+                                              {false, true, false}));
+}
+
+torch::Tensor conv2d_batch_swapped(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                                   const Conv2dGeometry& geometry) {
+  // Custom autograd functions take no undefined inputs: a missing bias is a zero one that needs no gradient.
+  return Conv2dBatchSwappedFunction::apply(x, w, b.defined() ? b : torch::zeros({w.size(0)}, w.options()), geometry);
+}
+
+}  // namespace capsnet::nn

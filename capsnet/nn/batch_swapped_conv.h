@@ -1,0 +1,42 @@
+#pragma once
+// A 2-D convolution whose backward computes the weight gradient as a *forward* convolution with the
+// batch and channel axes swapped. For y = conv2d(x, w) (stride s, padding p, dilation d, groups 1):
+//
+//   dW[o, c, kh, kw] = sum_{n, i, j} dy[n, o, i, j] * x[n, c, s*i + d*kh - p, s*j + d*kw - p]
+//
+// which is conv2d(x^T: [C, N, H, W] (batch C, channels N), dy^T: [O, N, P, Q] (O filters of N
+// channels), stride d, dilation s) -> [C, O, K, K], transposed back to [O, C, K, K].
+// Why: oneDNN 2.6 (Debian's LibTorch 1.13) runs the PrimaryCaps weight gradient (256 -> 256, 9x9,
+// stride 2, 20x20 -> 6x6, batch 100) in bf16 about 2x slower than its forward kernel on the same
+// FLOPs; the swapped form runs on that forward kernel (docs/kernels.md, "bf16 weight gradient").
+// In fp32 and for few input channels (Conv1: 1) oneDNN's own weight gradient is as fast or faster,
+// so nn::conv2d_at uses this only for bf16 convolutions with many input channels.
+
+#include <torch/torch.h>
+
+namespace capsnet::nn {
+
+/// Geometry of a 2-D convolution: stride, zero padding and dilation per spatial axis (groups 1).
+struct Conv2dGeometry {
+  std::array<int64_t, 2> stride{1, 1};
+  std::array<int64_t, 2> padding{0, 0};
+  std::array<int64_t, 2> dilation{1, 1};
+};
+
+/// dL/dw of y = conv2d(x, w) by the batch-swapped forward convolution.
+/// dy: [N, O, P, Q]; x: [N, C, H, W] (same dtype); kernel: {K0, K1}. Returns [O, C, K0, K1] in x's dtype.
+torch::Tensor conv2d_weight_grad_batch_swapped(const torch::Tensor& dy, const torch::Tensor& x,
+                                               std::array<int64_t, 2> kernel, const Conv2dGeometry& geometry);
+
+/// The reference: dL/dw of the same convolution by ATen's convolution_backward. w: [O, C, K0, K1]
+/// (only its shape matters). Returns [O, C, K0, K1].
+torch::Tensor conv2d_weight_grad_reference(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& w,
+                                           const Conv2dGeometry& geometry);
+
+/// y = conv2d(x, w, b) (b may be undefined), differentiable in x, w and b, with the weight gradient
+/// computed by conv2d_weight_grad_batch_swapped and the input gradient by ATen's convolution_backward.
+/// x: [N, C, H, W]; w: [O, C, K0, K1]; b: [O]; all of one dtype. Returns y: [N, O, P, Q].
+torch::Tensor conv2d_batch_swapped(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                                   const Conv2dGeometry& geometry);
+
+}  // namespace capsnet::nn

@@ -1,0 +1,70 @@
+#include "capsnet/nn/blocked_conv.h"
+
+#include <variant>
+
+namespace capsnet::nn {
+namespace {
+
+std::vector<int64_t> pair_of(const torch::ExpandingArray<2>& a) { return {a->at(0), a->at(1)}; }
+
+std::vector<int64_t> numeric_padding(const torch::nn::detail::ConvNdOptions<2>& o) {
+  // padding is c10::variant in LibTorch 1.13 and std::variant in 2.x: `get` found by ADL serves both.
+  using std::get;
+  return pair_of(get<0>(o.padding()));
+}
+
+}  // namespace
+
+BlockedConvWeights& BlockedConvWeights::operator=(const BlockedConvWeights&) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  weight_data_ = nullptr;
+  weight_version_ = bias_version_ = -1;
+  weight_ = bias_ = torch::Tensor();
+  return *this;
+}
+
+bool BlockedConvWeights::usable(const torch::nn::Conv2d& conv, const torch::Tensor& x, torch::ScalarType dtype) {
+  const auto& o = conv->options;
+  return !torch::GradMode::is_enabled() && at::hasMKLDNN() && at::globalContext().userEnabledMkldnn() &&
+         x.device().is_cpu() && (x.is_mkldnn() || x.layout() == torch::kStrided) &&
+         (dtype == torch::kFloat32 || dtype == torch::kBFloat16) && conv->weight.device().is_cpu() &&
+         o.groups() == 1 && o.padding().index() == 0 && o.padding_mode().index() == 0;
+}
+
+torch::Tensor BlockedConvWeights::forward(const torch::nn::Conv2d& conv, const torch::Tensor& x,
+                                          torch::ScalarType dtype) {
+  TORCH_CHECK(usable(conv, x, dtype), "BlockedConvWeights: this convolution cannot run blocked here");
+  const auto& o = conv->options;
+  const auto padding = numeric_padding(o), stride = pair_of(o.stride()), dilation = pair_of(o.dilation());
+  const auto& w = conv->weight;
+  const auto& b = conv->bias;
+  torch::Tensor weight, bias;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t bias_version = b.defined() ? b._version() : 0;
+    if (!weight_.defined() || weight_data_ != w.data_ptr() || weight_version_ != w._version() ||
+        bias_version_ != bias_version || dtype_ != dtype) {
+      // weight_: [O, C, K, K] in the blocked layout oneDNN's convolution reads for this geometry.
+      weight_ = at::mkldnn_reorder_conv2d_weight(w.to(dtype).to_mkldnn(), padding, stride, dilation, o.groups());
+      bias_ = b.defined() ? b.to(dtype).to_mkldnn() : torch::Tensor();
+      weight_data_ = w.data_ptr();
+      weight_version_ = w._version();
+      bias_version_ = bias_version;
+      dtype_ = dtype;
+      ++reorders_;
+    }
+    weight = weight_;
+    bias = bias_;
+  }
+  // x: [B, C, H, W], blocked in `dtype` (a previous blocked convolution's output, or converted here once).
+  const auto xb = x.is_mkldnn() ? (x.scalar_type() == dtype ? x : x.to_dense().to(dtype).to_mkldnn())
+                                : x.to(dtype).contiguous().to_mkldnn();
+  return at::mkldnn_convolution(xb, weight, bias, padding, stride, dilation, o.groups());
+}
+
+int64_t BlockedConvWeights::reorders() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reorders_;
+}
+
+}  // namespace capsnet::nn

@@ -1,0 +1,48 @@
+#pragma once
+// Inference convolutions on oneDNN's blocked tensors, with the weights reordered once.
+//
+// A plain NCHW convolution through ATen pays, on every call, oneDNN reorders of its input into the
+// blocked layout (nChw16c), of its output back to NCHW, and of its weights into the layout the kernel
+// wants (21 MB for PrimaryCaps). At batch 1 the weight reorder is most of the call. Without autograd
+// (inference) none of that is needed: the weights are reordered once and kept until the fp32 master
+// changes (its version counter or its storage, i.e. after an optimizer step or a load), and a
+// convolution's blocked output feeds the next convolution (Conv1 -> ReLU -> PrimaryCaps) directly.
+// Training keeps the plain path: autograd has no formulas for blocked tensors in LibTorch 1.13.
+
+#include <torch/torch.h>
+
+#include <mutex>
+
+namespace capsnet::nn {
+
+/// One convolution's weights in oneDNN's blocked layout, and the inference forward that uses them.
+/// Owned by the module whose convolution it serves; safe to call from several threads.
+class BlockedConvWeights {
+ public:
+  BlockedConvWeights() = default;
+  // A copy (of a cloned module) starts empty: it serves another module's weights.
+  BlockedConvWeights(const BlockedConvWeights&) {}
+  BlockedConvWeights& operator=(const BlockedConvWeights&);
+
+  /// True when conv(x) may run blocked: autograd is not recording, x is a CPU tensor (dense or
+  /// blocked), dtype is fp32 or bf16, and conv has groups 1 and numeric zero padding.
+  static bool usable(const torch::nn::Conv2d& conv, const torch::Tensor& x, torch::ScalarType dtype);
+
+  /// y = conv(x) in `dtype` with the cached blocked weights. x: [B, C, H, W], dense (any float dtype)
+  /// or blocked in `dtype`. Returns y: [B, O, H', W'] as a blocked (is_mkldnn) tensor in `dtype`.
+  torch::Tensor forward(const torch::nn::Conv2d& conv, const torch::Tensor& x, torch::ScalarType dtype);
+
+  /// How many times the weights were reordered (tests: once per weight update, not per call).
+  int64_t reorders() const;
+
+ private:
+  mutable std::mutex mutex_;
+  const void* weight_data_ = nullptr;  // the master weight's storage and version the cache was made from
+  int64_t weight_version_ = -1;
+  int64_t bias_version_ = -1;
+  torch::ScalarType dtype_ = torch::kFloat32;
+  torch::Tensor weight_, bias_;  // blocked weight [O, C, K, K] and blocked bias [O] (or undefined)
+  int64_t reorders_ = 0;
+};
+
+}  // namespace capsnet::nn

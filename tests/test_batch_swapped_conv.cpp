@@ -1,0 +1,107 @@
+// nn/batch_swapped_conv.h: the weight gradient as a forward convolution over the swapped batch equals
+// ATen's convolution_backward (float64, every geometry the formula covers), the autograd function
+// passes a finite-difference gradcheck, and bf16 convolutions of nn::conv2d_at really take it.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "capsnet/nn/batch_swapped_conv.h"
+#include "capsnet/nn/precision.h"
+#include "gradcheck.h"
+
+namespace capsnet {
+namespace {
+
+using nn::Conv2dGeometry;
+
+struct Case {
+  int64_t n, c, o, h, w, k0, k1;
+  Conv2dGeometry geometry;
+};
+
+std::vector<Case> cases() {
+  return {
+      {2, 3, 4, 11, 9, 3, 3, {{1, 1}, {0, 0}, {1, 1}}},
+      {3, 5, 2, 20, 20, 9, 9, {{2, 2}, {0, 0}, {1, 1}}},      // PrimaryCaps' geometry
+      {2, 4, 3, 13, 10, 3, 2, {{2, 1}, {1, 2}, {2, 1}}},      // every axis different
+      {1, 2, 2, 8, 8, 1, 1, {{3, 3}, {0, 0}, {1, 1}}},        // 1x1 kernel, stride beyond it
+      {2, 3, 5, 10, 12, 4, 3, {{1, 2}, {2, 0}, {1, 3}}},
+  };
+}
+
+torch::Tensor conv_output(const torch::Tensor& x, const torch::Tensor& w, const Conv2dGeometry& g) {
+  return at::conv2d(x, w, {}, {g.stride[0], g.stride[1]}, {g.padding[0], g.padding[1]},
+                    {g.dilation[0], g.dilation[1]});
+}
+
+TEST(BatchSwappedConv, WeightGradientEqualsAtenInFloat64) {
+  torch::manual_seed(3);
+  for (const auto& t : cases()) {
+    const auto x = torch::randn({t.n, t.c, t.h, t.w}, torch::kDouble);
+    const auto w = torch::randn({t.o, t.c, t.k0, t.k1}, torch::kDouble);
+    const auto dy = torch::randn_like(conv_output(x, w, t.geometry));
+    const auto fast = nn::conv2d_weight_grad_batch_swapped(dy, x, {t.k0, t.k1}, t.geometry);
+    const auto reference = nn::conv2d_weight_grad_reference(dy, x, w, t.geometry);
+    ASSERT_EQ(fast.sizes(), reference.sizes());
+    EXPECT_LT((fast - reference).abs().max().item<double>(), 1e-10) << "case n=" << t.n << " c=" << t.c;
+  }
+}
+
+TEST(BatchSwappedConv, ForwardAndAllGradientsPassGradcheck) {
+  torch::manual_seed(4);
+  for (const auto& t : cases()) {
+    auto x = torch::randn({t.n, t.c, t.h, t.w}, torch::kDouble).requires_grad_();
+    auto w = torch::randn({t.o, t.c, t.k0, t.k1}, torch::kDouble).requires_grad_();
+    auto b = torch::randn({t.o}, torch::kDouble).requires_grad_();
+    const auto y = nn::conv2d_batch_swapped(x, w, b, t.geometry);
+    EXPECT_TRUE(torch::allclose(y, conv_output(x, w, t.geometry) + b.view({1, -1, 1, 1})));
+    const auto fn = [&](const std::vector<torch::Tensor>& in) {
+      return nn::conv2d_batch_swapped(in[0], in[1], in[2], t.geometry);
+    };
+    EXPECT_TRUE(testutil::gradcheck(fn, {x, w, b})) << "case n=" << t.n << " c=" << t.c;
+  }
+}
+
+TEST(BatchSwappedConv, WithoutBiasOrInputGradient) {
+  torch::manual_seed(5);
+  const Conv2dGeometry g{{2, 2}, {0, 0}, {1, 1}};
+  const auto x = torch::randn({2, 3, 9, 9}, torch::kDouble);  // an image batch: no gradient wanted
+  auto w = torch::randn({4, 3, 3, 3}, torch::kDouble).requires_grad_();
+  nn::conv2d_batch_swapped(x, w, torch::Tensor(), g).sum().backward();
+  const auto expected = nn::conv2d_weight_grad_reference(torch::ones({2, 4, 4, 4}, torch::kDouble), x, w, g);
+  EXPECT_LT((w.grad() - expected).abs().max().item<double>(), 1e-10);
+}
+
+TEST(BatchSwappedConv, RefusesMismatchedBatches) {
+  const auto dy = torch::randn({2, 4, 3, 3});
+  const auto x = torch::randn({3, 2, 5, 5});
+  EXPECT_THROW(nn::conv2d_weight_grad_batch_swapped(dy, x, {3, 3}, {}), c10::Error);
+}
+
+// A bf16 convolution with many input channels takes the swapped weight gradient (bit-identical to it)
+// and stays within bf16 rounding of the fp32 gradient; Conv1-like convolutions keep oneDNN's.
+TEST(BatchSwappedConv, Bf16ConvolutionsOfConv2dAtUseIt) {
+  if (!nn::cpu_has_native_bf16()) GTEST_SKIP() << "this CPU has no AVX512_BF16 / AMX";
+  torch::manual_seed(6);
+  const int64_t channels = nn::kBatchSwappedMinInChannels;
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(channels, 16, 5).stride(2));
+  const auto x = torch::rand({4, channels, 15, 15});
+  const auto dy = torch::randn({4, 16, 6, 6});
+
+  auto y = nn::conv2d_at(conv, x, nn::Precision::kBFloat16);
+  y.backward(dy.to(torch::kBFloat16));
+  const auto dw_bf16 = conv->weight.grad().clone();
+  EXPECT_EQ(dw_bf16.scalar_type(), torch::kFloat32);  // the master weight's dtype
+  const Conv2dGeometry g{{2, 2}, {0, 0}, {1, 1}};
+  const auto swapped = nn::conv2d_weight_grad_batch_swapped(dy.to(torch::kBFloat16), x.to(torch::kBFloat16), {5, 5}, g);
+  EXPECT_TRUE(torch::equal(dw_bf16, swapped.to(torch::kFloat32)));
+  EXPECT_TRUE(torch::allclose(conv->bias.grad(), dy.sum({0, 2, 3}), 3e-2, 1e-1));
+
+  conv->zero_grad();
+  nn::conv2d_at(conv, x, nn::Precision::kFloat32).backward(dy);
+  const auto dw_fp32 = conv->weight.grad();
+  const double rel = ((dw_bf16 - dw_fp32).abs().max() / dw_fp32.abs().max()).item<double>();
+  EXPECT_LT(rel, 3e-2);  // bf16 inputs rounded to 8 significant bits, sums accumulated in fp32
+}
+
+}  // namespace
+}  // namespace capsnet
