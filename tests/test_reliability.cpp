@@ -10,6 +10,7 @@
 #include <chrono>
 #include <csignal>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -17,7 +18,9 @@
 #include "capsnet/data/mnist.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/evaluate.h"
+#include "capsnet/train/export.h"
 #include "capsnet/train/metrics.h"
+#include "capsnet/train/trainer.h"
 #include "apps/report.h"
 #include "test_helpers.h"
 
@@ -155,6 +158,179 @@ TEST(Reliability, CraftedConfigsFailWithASentenceNotAnAllocation) {
   EXPECT_THROW(models::CapsNetConfig::from_json(j), std::invalid_argument);  // 1e14 parameters
 }
 
+/// The outer (unchecksummed) copy of a checkpoint's meta: [begin, end) of its JSON text in the file.
+/// The payload's copy (inside the checksummed bytes) has no "payload_crc32" key.
+std::pair<size_t, size_t> outer_meta_span(const std::string& bytes) {
+  const size_t key = bytes.find("\"payload_crc32\"");
+  if (key == std::string::npos) return {0, 0};
+  const size_t begin = bytes.rfind("{\"format\"", key);
+  const size_t end = bytes.find("\"version\":2}", key);
+  if (begin == std::string::npos || end == std::string::npos) return {0, 0};
+  return {begin, end + std::string("\"version\":2}").size()};
+}
+
+TEST(Reliability, AnyChangedByteInACheckpointsMetadataIsReportedAsCorrupt) {
+  // The meta (model config, training options, step) sits beside the checksummed payload: every byte of
+  // it must be checked too, else one changed digit loads another model, or another step, silently.
+  TempDir dir;
+  const auto path = dir / "checkpoint.pt";
+  tiny_checkpoint(path);
+  const auto good = read_bytes(path);
+  const auto [begin, end] = outer_meta_span(good);
+  ASSERT_LT(begin, end) << "the outer meta was not found in the file";
+  const std::string meta = good.substr(begin, end - begin);
+  expect_contains(meta, "\"step\":7");
+  int tried = 0, same = 0;
+  for (size_t i = begin; i < end; ++i) {
+    const char c = good[i];
+    // Every digit (config sizes, routing iterations, the step, the checksum) becomes another digit;
+    // every 5th other byte has a bit flipped (key names, punctuation, strings).
+    char changed;
+    if (c >= '0' && c <= '9') changed = static_cast<char>('0' + (c - '0' + 1) % 10);
+    else if ((i - begin) % 5 == 0) changed = static_cast<char>(c ^ 0x20);
+    else continue;
+    auto bad = good;
+    bad[i] = changed;
+    write_bytes(path, bad);
+    ++tried;
+    const auto where = "byte " + std::to_string(i - begin) + " of " + meta;
+    // Either an error that says "corrupt" and names the file, or (a change that means the same, e.g.
+    // 1e-07 -> 1E-07) exactly the meta that was written: never another one.
+    try {
+      const auto m = train::read_checkpoint_meta(path);
+      EXPECT_EQ(m.step, 7) << where;
+      EXPECT_EQ(m.model_config, tiny_config().to_json()) << where;
+      EXPECT_EQ(m.train_options, nlohmann::json::object()) << where;
+      ++same;
+    } catch (const train::CheckpointError& e) {
+      expect_contains(e.what(), "corrupt");
+      expect_contains(e.what(), path);
+    }
+    models::CapsNet model(tiny_config());
+    try {
+      EXPECT_EQ(train::load_checkpoint(path, model, nullptr).step, 7) << where;
+    } catch (const train::CheckpointError& e) {
+      expect_contains(e.what(), "corrupt");
+    }
+  }
+  EXPECT_LE(same, 3) << "almost every change must be caught";
+  EXPECT_GT(tried, 50);
+  write_bytes(path, good);
+  EXPECT_EQ(train::read_checkpoint_meta(path).step, 7);
+}
+
+TEST(Reliability, VersionOneCheckpointsWithoutAChecksumStillLoad) {
+  // The format before the checksum: meta, model and generator state in one archive.
+  TempDir dir;
+  const auto path = dir / "v1.pt";
+  torch::manual_seed(3);
+  models::CapsNet written(tiny_config());
+  nlohmann::json meta = {{"format", "capsnet-checkpoint"},
+                         {"version", 1},
+                         {"step", 11},
+                         {"model", written->config.to_json()},
+                         {"train", {{"seed", 3}}}};
+  torch::serialize::OutputArchive archive;
+  archive.write("meta", c10::IValue(meta.dump()));
+  torch::serialize::OutputArchive model_archive;
+  written->save(model_archive);
+  archive.write("model", model_archive);
+  archive.save_to(path);
+
+  EXPECT_EQ(train::read_checkpoint_meta(path).step, 11);
+  auto loaded = train::load_model(path);
+  const auto a = written->named_parameters(), b = loaded->named_parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& p : a) EXPECT_TRUE(torch::equal(p.value(), b[p.key()])) << p.key();
+}
+
+TEST(Reliability, ACheckpointWithANegativeStepIsRefusedWithASentence) {
+  TempDir dir;
+  const auto path = dir / "checkpoint.pt";
+  models::CapsNet model(tiny_config());
+  train::save_checkpoint(path, model, nullptr, {-1, model->config.to_json(), nlohmann::json::object()});
+  for (const auto& load : std::vector<std::function<void()>>{[&] { train::read_checkpoint_meta(path); },
+                                                             [&] { train::load_model(path); }}) {
+    try {
+      load();
+      ADD_FAILURE() << "a negative step loaded";
+    } catch (const train::CheckpointError& e) {
+      expect_contains(e.what(), "negative step -1");
+      expect_contains(e.what(), path);
+    }
+  }
+}
+
+TEST(Reliability, TensorsOfAnotherShapeThanTheConfigSaysAreRefusedByName) {
+  // A checkpoint whose (consistent, checksummed) config says 2 classes while its tensors hold 10:
+  // LibTorch's loader would adopt the stored shapes and fail later inside indexing.
+  TempDir dir;
+  const auto path = dir / "checkpoint.pt";
+  models::CapsNet ten(tiny_config());
+  auto two = tiny_config();
+  two.num_classes = 2;
+  train::save_checkpoint(path, ten, nullptr, {1, two.to_json(), nlohmann::json::object()});
+  try {
+    train::load_model(path);
+    FAIL() << "10-class tensors loaded into a 2-class model";
+  } catch (const train::CheckpointError& e) {
+    expect_contains(e.what(), path);
+    expect_contains(e.what(), "digit_caps");
+    expect_contains(e.what(), "model config");
+  }
+}
+
+// --- weight files ----------------------------------------------------------------------------------
+
+TEST(Reliability, AChangedByteInAWeightFileIsReportedAsCorrupt) {
+  TempDir dir;
+  const auto path = dir / "weights.pt";
+  torch::manual_seed(4);
+  models::CapsNet model(tiny_config());
+  train::ExportOptions options;
+  options.card = {{"classes", {"a", "b", "c", "d", "e", "f", "g", "h", "i", "j"}}};
+  train::save_weights(path, model, 9, options);
+  const auto good = read_bytes(path);
+  ASSERT_NO_THROW(train::read_weights(path));
+  // Tensor data across the file, the step's neighbourhood, a class name of the card, the checksum's own key.
+  std::vector<size_t> at;
+  for (double f : {0.15, 0.3, 0.45, 0.6, 0.75, 0.85}) at.push_back(static_cast<size_t>(f * good.size()));
+  for (const char* text : {"\"classes\"", "crc32"}) {
+    const size_t p = good.find(text);
+    ASSERT_NE(p, std::string::npos) << text;
+    at.push_back(p + 2);
+  }
+  for (size_t i : at) {
+    auto bad = good;
+    bad[i] ^= 0x01;
+    write_bytes(path, bad);
+    try {
+      train::load_model(path);  // tries the file as weights, then as a checkpoint
+      ADD_FAILURE() << "a weight file with byte " << i << " of " << good.size() << " changed loaded";
+    } catch (const std::exception& e) {
+      expect_contains(e.what(), "corrupt");
+      expect_contains(e.what(), path);
+    }
+  }
+  // Files without the checksum (written before it, like the shipped model) still load.
+  const auto unchecked = dir / "unchecked.pt";
+  const auto bytes = torch::pickle_save(c10::IValue(train::export_dict(model, 9, {})));
+  write_bytes(unchecked, std::string(bytes.begin(), bytes.end()));
+  EXPECT_EQ(train::read_weights(unchecked).step, 9);
+  EXPECT_NO_THROW(train::load_model(unchecked));
+}
+
+TEST(Reliability, WeightFilesAreWrittenByTheCheckpointWriterAndCleanOrphanedTemps) {
+  TempDir dir;
+  const auto path = dir / "weights.pt";
+  write_bytes(path + ".tmp.999999999", std::string(1000, 'x'));  // a writer killed before its rename
+  models::CapsNet model(tiny_config());
+  train::save_weights(path, model, 1);
+  EXPECT_FALSE(fs::exists(path + ".tmp.999999999"));
+  for (const auto& e : fs::directory_iterator(dir.str()))
+    EXPECT_EQ(e.path().filename().string(), "weights.pt") << "left behind: " << e.path();
+}
+
 // --- metrics and the report ------------------------------------------------------------------------
 
 TEST(Reliability, MetricsWritesToAFullDeviceFailLoudly) {
@@ -269,6 +445,25 @@ TEST_F(ReliabilityCli, NumericFlagsOutsideTheirDocumentedRangeAreRefusedBeforeUs
     EXPECT_NE(r.status, 0) << flags << "\n" << r.output;
     expect_contains(r.output, phrase);
     EXPECT_FALSE(fs::exists(*dir_ / "never/metrics.jsonl")) << flags;
+  }
+}
+
+TEST_F(ReliabilityCli, TwoClassCheckpointsAndNegativeStepsGiveOneClearLine) {
+  // A real 2-class model evaluated on 10-class data, and a checkpoint with a negative step.
+  auto config = tiny_config();
+  config.image_size = 28;
+  config.num_classes = 2;
+  models::CapsNet model(config);
+  const auto two = *dir_ / "two_classes.pt", negative = *dir_ / "negative_step.pt";
+  train::save_checkpoint(two, model, nullptr, {1, config.to_json(), nlohmann::json::object()});
+  train::save_checkpoint(negative, model, nullptr, {-3, config.to_json(), nlohmann::json::object()});
+  for (const auto& [checkpoint, phrase] : std::vector<std::pair<std::string, std::string>>{
+           {two, "2 classes"}, {negative, "negative step -3"}}) {
+    auto r = run_command(kCli + " eval --data " + data_ + " --checkpoint " + checkpoint);
+    EXPECT_EQ(r.status, 1) << r.output;
+    expect_contains(r.output, phrase);
+    EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("index"), std::string::npos) << r.output;
   }
 }
 

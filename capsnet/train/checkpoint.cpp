@@ -64,6 +64,96 @@ int64_t crc32_of(const void* data, size_t n) {
   return static_cast<int64_t>(crc);
 }
 
+// The meta JSON an archive holds under "meta" (the outer one, or the copy inside a version-2 payload).
+nlohmann::json read_meta_json(const std::string& path, torch::serialize::InputArchive& archive) {
+  c10::IValue value;
+  if (!archive.try_read("meta", value) || !value.isString())
+    throw CheckpointError(fmt::format("checkpoint {}: no capsnet metadata (not a capsnet checkpoint?)", path));
+  auto j = nlohmann::json::parse(value.toStringRef(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object())
+    throw CheckpointError(fmt::format("checkpoint {}: corrupt (its metadata is not a JSON object)", path));
+  return j;
+}
+
+// Version 2: the model, optimizer and generator live in a payload archive whose CRC-32 is in the
+// meta. Any flipped byte in it is reported as corruption instead of loading different weights.
+void open_payload(const std::string& path, torch::serialize::InputArchive& outer, int64_t payload_crc32,
+                  int64_t payload_bytes, torch::serialize::InputArchive& payload) {
+  torch::Tensor bytes;
+  try {
+    if (!outer.try_read("payload", bytes)) throw CheckpointError(fmt::format("checkpoint {}: corrupt (no payload)", path));
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw CheckpointError(fmt::format("checkpoint {}: corrupt (payload unreadable)", path));
+  }
+  if (bytes.scalar_type() != torch::kUInt8 || bytes.dim() != 1 || bytes.numel() != payload_bytes)
+    throw CheckpointError(fmt::format("checkpoint {}: corrupt (payload has the wrong size)", path));
+  bytes = bytes.contiguous();
+  if (crc32_of(bytes.data_ptr(), static_cast<size_t>(bytes.numel())) != payload_crc32)
+    throw CheckpointError(fmt::format("checkpoint {}: corrupt (checksum mismatch: the file was damaged after it was "
+                                      "written)",
+                                      path));
+  try {
+    payload.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
+  } catch (const std::exception& e) {
+    throw CheckpointError(fmt::format("checkpoint {}: corrupt (payload cannot be read)", path));
+  }
+}
+
+// A checkpoint opened and checked: its meta, and the archive holding model, optimizer and generator
+// (the outer one for version 1, the CRC-checked payload for version 2). Every reader goes through
+// here, so nothing outside the checksum is ever trusted: a version-2 file's outer meta (step, model
+// config, training options) is used only when it equals the copy inside the payload, byte for byte
+// after parsing. A version-1 file (no checksum) is read as it is.
+struct CheckedCheckpoint {
+  CheckpointMeta meta;
+  int64_t version = 1;
+  torch::serialize::InputArchive outer, payload;
+  torch::serialize::InputArchive& contents() { return version >= 2 ? payload : outer; }
+};
+
+CheckedCheckpoint open_checked(const std::string& path) {
+  CheckedCheckpoint c;
+  c.outer = open_archive(path);
+  auto j = read_meta_json(path, c.outer);
+  if (j.value("format", nlohmann::json()) != kFormat)
+    throw CheckpointError(fmt::format("checkpoint {}: not a capsnet checkpoint (or corrupt: format {})", path,
+                                      j.value("format", nlohmann::json()).dump()));
+  const auto version = j.value("version", nlohmann::json());
+  if (version != 1 && version != kVersion)
+    throw CheckpointError(fmt::format("checkpoint {}: unsupported version {} (or corrupt)", path, version.dump()));
+  c.version = version.get<int64_t>();
+  if (c.version >= 2) {
+    const auto crc = j.value("payload_crc32", nlohmann::json()), size = j.value("payload_bytes", nlohmann::json());
+    if (!crc.is_number_integer() || !size.is_number_integer())
+      throw CheckpointError(fmt::format("checkpoint {}: corrupt (no payload checksum in its metadata)", path));
+    open_payload(path, c.outer, crc.get<int64_t>(), size.get<int64_t>(), c.payload);
+    // The payload holds the meta as it was written (without the checksum fields): the outer copy
+    // must say exactly the same, else a flipped byte there would load another model silently.
+    auto outer_meta = j;
+    outer_meta.erase("payload_crc32");
+    outer_meta.erase("payload_bytes");
+    if (read_meta_json(path, c.payload) != outer_meta)
+      throw CheckpointError(fmt::format("checkpoint {}: corrupt (its metadata differs from the checksummed copy: the "
+                                        "file was damaged after it was written)",
+                                        path));
+  }
+  try {
+    c.meta.step = j.at("step").get<int64_t>();
+    c.meta.model_config = j.at("model");
+    c.meta.train_options = j.value("train", nlohmann::json::object());
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(fmt::format("checkpoint {}: malformed metadata: {}", path, e.what()));
+  }
+  if (c.meta.step < 0)
+    throw CheckpointError(fmt::format("checkpoint {}: negative step {} (a step count is never negative)", path,
+                                      c.meta.step));
+  if (!c.meta.model_config.is_object())
+    throw CheckpointError(fmt::format("checkpoint {}: malformed metadata: its model config is not an object", path));
+  return c;
+}
+
 // Temp files of writers that died (kill -9, power loss) before their rename: "<name>.tmp.<pid>"
 // whose process is gone. Removed before each save so they never pile up.
 void remove_orphaned_temps(const std::filesystem::path& path) {
@@ -81,18 +171,17 @@ void remove_orphaned_temps(const std::filesystem::path& path) {
   }
 }
 
-// temp file, write, fsync, rename: readers see the old or the new file, never a partial one. A
-// failed write (full disk, I/O error) removes the temp file and throws CheckpointError.
+}  // namespace
+
 void write_file_atomically(const std::string& path, const std::vector<char>& bytes) {
   const auto parent = std::filesystem::path(path).parent_path();
   std::error_code ec;
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-  if (ec) throw CheckpointError(fmt::format("checkpoint {}: cannot create directory {}: {}", path, parent.string(),
-                                            ec.message()));
+  if (ec) throw std::runtime_error(fmt::format("cannot create directory {}: {}", parent.string(), ec.message()));
   remove_orphaned_temps(path);
   const std::string tmp = fmt::format("{}.tmp.{}", path, ::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw CheckpointError(fmt::format("checkpoint {}: cannot create {}: {}", path, tmp, std::strerror(errno)));
+  if (fd < 0) throw std::runtime_error(fmt::format("cannot create {}: {}", tmp, std::strerror(errno)));
   size_t done = 0;
   int error = 0;
   while (done < bytes.size()) {
@@ -108,77 +197,17 @@ void write_file_atomically(const std::string& path, const std::vector<char>& byt
   if (::close(fd) != 0 && !error) error = errno;
   if (error) {
     ::unlink(tmp.c_str());
-    throw CheckpointError(fmt::format("checkpoint {}: write failed after {} of {} bytes: {} (the previous checkpoint, "
-                                      "if any, is unchanged)",
-                                      path, done, bytes.size(), std::strerror(error)));
+    throw std::runtime_error(fmt::format("write failed after {} of {} bytes: {} (the previous file, if any, is "
+                                         "unchanged)",
+                                         done, bytes.size(), std::strerror(error)));
   }
   std::filesystem::rename(tmp, path, ec);
   if (ec) {
     ::unlink(tmp.c_str());
-    throw CheckpointError(fmt::format("checkpoint {}: rename failed: {}", path, ec.message()));
+    throw std::runtime_error(fmt::format("rename failed: {}", ec.message()));
   }
   fsync_path(parent.empty() ? "." : parent.string());
 }
-
-struct ParsedMeta {
-  CheckpointMeta meta;
-  int64_t version = 1;
-  int64_t payload_crc32 = -1, payload_bytes = -1;  // version 2
-};
-
-ParsedMeta parse_meta(const std::string& path, torch::serialize::InputArchive& archive) {
-  c10::IValue value;
-  if (!archive.try_read("meta", value) || !value.isString())
-    throw CheckpointError(fmt::format("checkpoint {}: no capsnet metadata (not a capsnet checkpoint?)", path));
-  try {
-    auto j = nlohmann::json::parse(value.toStringRef());
-    if (!j.is_object() || !j.contains("format") || j["format"] != kFormat)
-      throw CheckpointError(fmt::format("checkpoint {}: not a capsnet checkpoint", path));
-    ParsedMeta p;
-    p.version = j.value("version", int64_t{0});
-    if (p.version != 1 && p.version != kVersion)
-      throw CheckpointError(fmt::format("checkpoint {}: unsupported version {}", path, j["version"].dump()));
-    p.meta.step = j.at("step").get<int64_t>();
-    if (p.meta.step < 0) throw CheckpointError(fmt::format("checkpoint {}: negative step {}", path, p.meta.step));
-    p.meta.model_config = j.at("model");
-    p.meta.train_options = j.value("train", nlohmann::json::object());
-    if (p.version >= 2) {
-      p.payload_crc32 = j.at("payload_crc32").get<int64_t>();
-      p.payload_bytes = j.at("payload_bytes").get<int64_t>();
-    }
-    return p;
-  } catch (const nlohmann::json::exception& e) {
-    throw CheckpointError(fmt::format("checkpoint {}: malformed metadata: {}", path, e.what()));
-  }
-}
-
-// Version 2: the model, optimizer and generator live in a payload archive whose CRC-32 is in the
-// meta. Any flipped byte in it is reported as corruption instead of loading different weights.
-void open_payload(const std::string& path, torch::serialize::InputArchive& outer, const ParsedMeta& p,
-                  torch::serialize::InputArchive& payload) {
-  torch::Tensor bytes;
-  try {
-    if (!outer.try_read("payload", bytes)) throw CheckpointError(fmt::format("checkpoint {}: no payload", path));
-  } catch (const CheckpointError&) {
-    throw;
-  } catch (const std::exception& e) {
-    throw CheckpointError(fmt::format("checkpoint {}: corrupt (payload unreadable)", path));
-  }
-  if (bytes.scalar_type() != torch::kUInt8 || bytes.dim() != 1 || bytes.numel() != p.payload_bytes)
-    throw CheckpointError(fmt::format("checkpoint {}: corrupt (payload has the wrong size)", path));
-  bytes = bytes.contiguous();
-  if (crc32_of(bytes.data_ptr(), static_cast<size_t>(bytes.numel())) != p.payload_crc32)
-    throw CheckpointError(fmt::format("checkpoint {}: corrupt (checksum mismatch: the file was damaged after it was "
-                                      "written)",
-                                      path));
-  try {
-    payload.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
-  } catch (const std::exception& e) {
-    throw CheckpointError(fmt::format("checkpoint {}: corrupt (payload cannot be read)", path));
-  }
-}
-
-}  // namespace
 
 void save_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer,
                      const CheckpointMeta& meta) {
@@ -220,13 +249,14 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, torch::o
                                           torch::kUInt8));
   const auto bytes = to_bytes(outer);
   payload_bytes = {};
-  write_file_atomically(path, bytes);
+  try {
+    write_file_atomically(path, bytes);
+  } catch (const std::runtime_error& e) {
+    throw CheckpointError(fmt::format("checkpoint {}: {}", path, e.what()));
+  }
 }
 
-CheckpointMeta read_checkpoint_meta(const std::string& path) {
-  auto archive = open_archive(path);
-  return parse_meta(path, archive).meta;
-}
+CheckpointMeta read_checkpoint_meta(const std::string& path) { return open_checked(path).meta; }
 
 CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer) {
   const auto config = model->config;
@@ -236,19 +266,29 @@ CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, 
 
 CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
                                const std::function<bool(const nlohmann::json&)>& config_matches) {
-  auto outer = open_archive(path);
-  const auto parsed = parse_meta(path, outer);
-  const auto& meta = parsed.meta;
-  torch::serialize::InputArchive payload;
-  if (parsed.version >= 2) open_payload(path, outer, parsed, payload);
-  auto& archive = parsed.version >= 2 ? payload : outer;
+  auto checked = open_checked(path);
+  const auto& meta = checked.meta;
+  auto& archive = checked.contents();
   if (!config_matches(meta.model_config))
     throw CheckpointError(fmt::format("checkpoint {}: its model config {} does not match the model being loaded",
                                       path, meta.model_config.dump()));
+  // LibTorch's loader adopts whatever shape a stored tensor has: a file whose tensors do not fit its
+  // own config (crafted, or a config edited after the fact) would fail later, deep inside indexing.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (const auto& p : model.named_parameters()) shapes.emplace_back(p.key(), p.value().sizes().vec());
+  for (const auto& b : model.named_buffers()) shapes.emplace_back(b.key(), b.value().sizes().vec());
   try {
     torch::serialize::InputArchive model_archive;
     archive.read("model", model_archive);
     model.load(model_archive);
+    const auto params = model.named_parameters(), buffers = model.named_buffers();
+    for (const auto& [name, expected] : shapes) {
+      const auto* t = params.find(name) ? params.find(name) : buffers.find(name);
+      if (t && t->sizes().vec() != expected)
+        throw CheckpointError(fmt::format("checkpoint {}: tensor {} has shape {} in the file, but its model config "
+                                          "builds {}",
+                                          path, name, c10::str(t->sizes()), c10::str(c10::IntArrayRef(expected))));
+    }
     if (optimizer) {
       torch::serialize::InputArchive optimizer_archive;
       if (!archive.try_read("optimizer", optimizer_archive))

@@ -1,6 +1,9 @@
 #pragma once
 // Checkpoints: model + optimizer + RNG + step + configs in one torch archive, written atomically
 // (temp file, fsync, rename) so a crash mid-write never replaces the last good checkpoint.
+// Format version 2: a payload archive (meta, model, optimizer, generator) whose CRC-32 and size are in
+// the outer meta; every read checks the CRC and that the outer meta equals the payload's copy, so no
+// byte of the file is trusted unchecked. Version 1 (no checksum) still loads.
 
 #include <torch/torch.h>
 
@@ -32,7 +35,8 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, torch::o
 void save_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer,
                      const CheckpointMeta& meta);
 
-/// Reads only the meta of a checkpoint.
+/// Reads the meta of a checkpoint, checked like a full load (CheckpointError "checkpoint PATH: corrupt (...)"
+/// for a damaged file, "negative step" for a crafted one).
 CheckpointMeta read_checkpoint_meta(const std::string& path);
 
 /// Restores model weights, optimizer state (when given) and the generator state; returns the meta.
@@ -41,6 +45,14 @@ CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, 
 /// Any module: `config_matches` says whether the stored model config describes `model` (CheckpointError if not).
 CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
                                const std::function<bool(const nlohmann::json&)>& config_matches);
+
+/// Writes `bytes` to `path` atomically: a temp file `<path>.tmp.<pid>` (parent directories created), write,
+/// fsync, rename, fsync of the directory, so readers see the old or the new file, never a partial one.
+/// Temp files of writers that died before their rename (`<path>.tmp.<pid>` whose process is gone) are
+/// removed first. Shared by checkpoints and weight files (export.h). On failure (full disk, I/O error)
+/// the temp file is removed, the previous file is unchanged, and std::runtime_error says what failed
+/// (without the path: callers prefix it, e.g. "checkpoint PATH: write failed after N of M bytes: ...").
+void write_file_atomically(const std::string& path, const std::vector<char>& bytes);
 
 /// What a trained model expects of its inputs beyond its config, for predict / eval / serve.
 struct InputSpec {

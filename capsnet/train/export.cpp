@@ -1,26 +1,19 @@
 #include "capsnet/train/export.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <unistd.h>
 
-#include <cstdio>
+#include <zlib.h>
+
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
 
 #include "capsnet/train/checkpoint.h"
 
 namespace capsnet::train {
 namespace {
-
-void fsync_path(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
 
 c10::Dict<std::string, at::Tensor> tensor_dict(const std::map<std::string, torch::Tensor>& tensors) {
   c10::Dict<std::string, at::Tensor> d;
@@ -40,6 +33,84 @@ std::map<std::string, torch::Tensor> read_tensor_dict(const std::string& path, c
     out[entry.key().toStringRef()] = entry.value().toTensor();
   }
   return out;
+}
+
+// The checksum of a weight file: CRC-32 of its entries in a canonical order (sorted keys; strings,
+// integers, and each tensor's name, dtype, shape and bytes), every entry but "crc32" itself. It is
+// computed from the values, not the file's bytes, so Python's torch.load still gets a plain dict and
+// any change to what a loader would see (a weight, the config, the card, the step) is caught.
+class ContentCrc {
+ public:
+  void bytes(const void* data, size_t n) {
+    const auto* p = static_cast<const Bytef*>(data);
+    while (n > 0) {  // zlib's length is a uInt
+      const auto chunk = static_cast<uInt>(std::min<size_t>(n, size_t{1} << 30));
+      crc_ = ::crc32(crc_, p, chunk);
+      p += chunk;
+      n -= chunk;
+    }
+  }
+  void integer(int64_t v) { bytes(&v, sizeof v); }
+  void text(const std::string& s) {
+    integer(static_cast<int64_t>(s.size()));
+    bytes(s.data(), s.size());
+  }
+  /// Throws ExportError for a value no weight file holds.
+  void value(const std::string& path, const c10::IValue& v) {
+    if (v.isString()) {
+      integer('s');
+      text(v.toStringRef());
+    } else if (v.isInt()) {
+      integer('i');
+      integer(v.toInt());
+    } else if (v.isGenericDict()) {
+      std::vector<std::pair<std::string, c10::IValue>> entries;
+      for (const auto& e : v.toGenericDict()) {
+        if (!e.key().isString()) throw ExportError(fmt::format("weights {}: corrupt (a dict key is not a string)", path));
+        entries.emplace_back(e.key().toStringRef(), e.value());
+      }
+      std::sort(entries.begin(), entries.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      integer('d');
+      integer(static_cast<int64_t>(entries.size()));
+      for (const auto& [key, inner] : entries) {
+        text(key);
+        value(path, inner);
+      }
+    } else if (v.isTensor()) {
+      const auto t = v.toTensor().contiguous();
+      integer('t');
+      integer(static_cast<int64_t>(t.scalar_type()));
+      integer(t.dim());
+      for (int64_t d : t.sizes()) integer(d);
+      bytes(t.data_ptr(), t.nbytes());
+    } else {
+      throw ExportError(fmt::format("weights {}: corrupt (an entry of type {} is in no weight file)", path,
+                                    v.tagKind()));
+    }
+  }
+  int64_t get() const { return static_cast<int64_t>(crc_); }
+
+ private:
+  uLong crc_ = ::crc32(0L, Z_NULL, 0);
+};
+
+constexpr const char* kChecksumKey = "crc32";
+
+// The file is not a weight file at all (missing, not a pickle, not our dict): try_read_weights says
+// nullopt and the caller tries it as a checkpoint. Any later problem is a damaged weight file and is
+// reported as such.
+class NotWeightsError : public ExportError {
+ public:
+  using ExportError::ExportError;
+};
+
+int64_t content_crc(const std::string& path, const c10::impl::GenericDict& d) {
+  c10::impl::GenericDict without(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& e : d)
+    if (!(e.key().isString() && e.key().toStringRef() == kChecksumKey)) without.insert(e.key(), e.value());
+  ContentCrc crc;
+  crc.value(path, c10::IValue(without));
+  return crc.get();
 }
 
 torch::ScalarType storage_dtype(WeightStorage storage) {
@@ -111,28 +182,14 @@ c10::impl::GenericDict export_dict(models::CapsNet& model, int64_t step, const E
 }
 
 int64_t save_weights(const std::string& path, models::CapsNet& model, int64_t step, const ExportOptions& options) {
-  const std::vector<char> bytes = torch::pickle_save(c10::IValue(export_dict(model, step, options)));
-  const auto parent = std::filesystem::path(path).parent_path();
-  std::error_code ec;
-  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-  if (ec) throw ExportError(fmt::format("weights {}: cannot create directory {}: {}", path, parent.string(), ec.message()));
-  const std::string tmp = fmt::format("{}.tmp.{}", path, ::getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    f.close();
-    if (!f) {
-      std::remove(tmp.c_str());
-      throw ExportError(fmt::format("weights {}: write failed (cannot write {})", path, tmp));
-    }
+  auto d = export_dict(model, step, options);
+  d.insert(kChecksumKey, content_crc(path, d));
+  const std::vector<char> bytes = torch::pickle_save(c10::IValue(d));
+  try {
+    write_file_atomically(path, bytes);  // the checkpoints' writer: also removes orphaned temp files
+  } catch (const std::runtime_error& e) {
+    throw ExportError(fmt::format("weights {}: {}", path, e.what()));
   }
-  fsync_path(tmp);
-  std::filesystem::rename(tmp, path, ec);  // atomic on POSIX: readers see the old or the new file
-  if (ec) {
-    std::remove(tmp.c_str());
-    throw ExportError(fmt::format("weights {}: rename failed: {}", path, ec.message()));
-  }
-  fsync_path(parent.empty() ? "." : parent.string());
   return static_cast<int64_t>(bytes.size());
 }
 
@@ -174,28 +231,45 @@ ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::s
 
 ExportedWeights read_weights(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
-  if (!f) throw ExportError(fmt::format("weights {}: no such file or not readable", path));
+  if (!f) throw NotWeightsError(fmt::format("weights {}: no such file or not readable", path));
   std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   c10::IValue root;
   try {
     root = torch::pickle_load(bytes);
   } catch (const std::exception& e) {
-    throw ExportError(fmt::format("weights {}: cannot be read (corrupt or truncated?): {}", path,
-                                  std::string(e.what()).substr(0, 200)));
+    throw NotWeightsError(fmt::format("weights {}: cannot be read (corrupt or truncated?): {}", path,
+                                      std::string(e.what()).substr(0, 200)));
   }
-  if (!root.isGenericDict()) throw ExportError(fmt::format("weights {}: not a capsnet weight file", path));
+  if (!root.isGenericDict()) throw NotWeightsError(fmt::format("weights {}: not a capsnet weight file", path));
   auto d = root.toGenericDict();
   auto get = [&](const char* key) -> c10::IValue {
     auto it = d.find(c10::IValue(std::string(key)));
     if (it == d.end()) throw ExportError(fmt::format("weights {}: missing '{}' (not a capsnet weight file?)", path, key));
     return it->value();
   };
-  auto format = get("format");
-  if (!format.isString() || format.toStringRef() != kWeightsFormat)
-    throw ExportError(fmt::format("weights {}: not a capsnet weight file", path));
+  const auto format = d.find(c10::IValue(std::string("format")));
+  if (format == d.end() || !format->value().isString() || format->value().toStringRef() != kWeightsFormat)
+    throw NotWeightsError(fmt::format("weights {}: not a capsnet weight file", path));
   auto version = get("version");
   if (!version.isInt() || version.toInt() != kWeightsVersion)
     throw ExportError(fmt::format("weights {}: unsupported version", path));
+  // Only capsnet export writes these files: an unknown entry is a damaged key (it could be the
+  // checksum's own, which would otherwise turn a checked file into an unchecked one).
+  for (const auto& e : d) {
+    static const std::set<std::string> known = {"format", "version", "config",  "step", "state_dict",
+                                                "storage", "card",   "probe", kChecksumKey};
+    if (!e.key().isString() || !known.count(e.key().toStringRef()))
+      throw ExportError(fmt::format("weights {}: corrupt (unknown entry {})", path,
+                                    e.key().isString() ? "'" + e.key().toStringRef() + "'" : "of another type"));
+  }
+  // Files written before the checksum (e.g. the shipped model, whose SHA-256 is pinned) load unchecked.
+  if (d.contains(c10::IValue(std::string(kChecksumKey)))) {
+    const auto stored = get(kChecksumKey);
+    if (!stored.isInt() || stored.toInt() != content_crc(path, d))
+      throw ExportError(fmt::format("weights {}: corrupt (checksum mismatch: the file was damaged after it was "
+                                    "written)",
+                                    path));
+  }
   ExportedWeights w;
   auto config = get("config");
   auto step = get("step");
@@ -225,12 +299,18 @@ std::optional<ExportedWeights> try_read_weights(const std::string& path) {
   // format, a checkpoint is a TorchScript archive.
   try {
     return read_weights(path);
-  } catch (const ExportError&) {
+  } catch (const NotWeightsError&) {
     return std::nullopt;
   }
 }
 
-bool is_weights_file(const std::string& path) { return try_read_weights(path).has_value(); }
+bool is_weights_file(const std::string& path) {
+  try {
+    return try_read_weights(path).has_value();
+  } catch (const ExportError&) {
+    return true;  // a weight file, damaged
+  }
+}
 
 models::CapsNet load_model_from_weights(const std::string& path) { return model_from_weights(read_weights(path), path); }
 

@@ -14,6 +14,10 @@
 //   "probe"      (only with ExportOptions::probe > 0) C++ reference outputs for checking a port:
 //                {"images" [N, C, H, W] in [0, 1), "digit_caps" [N, K, D], "lengths" [N, K],
 //                 "reconstruction" [N, C*H*W] (decoder of the longest capsule; absent without a decoder)}
+//   "crc32"      (written by save_weights) CRC-32 of every other entry in a canonical order (sorted keys;
+//                strings, integers, and each tensor's name, dtype, shape and bytes), checked by read_weights.
+//                Files without it (written before it, e.g. the shipped model) load unchecked; an entry
+//                not listed here is reported as corruption.
 
 #include <torch/torch.h>
 
@@ -59,8 +63,9 @@ struct ExportOptions {
 /// The exported dict for `model` (see the layout above). Throws std::invalid_argument for probe < 0.
 c10::impl::GenericDict export_dict(models::CapsNet& model, int64_t step, const ExportOptions& options);
 
-/// Writes export_dict(model, step, options) to `path` atomically (temp file, fsync, rename);
-/// creates missing parent directories. Returns the number of bytes written.
+/// Writes export_dict(model, step, options) plus its "crc32" to `path` atomically (write_file_atomically in
+/// checkpoint.h: temp file, fsync, rename; orphaned temp files of dead writers removed; parent directories
+/// created). Returns the number of bytes written; ExportError naming the file when the write fails.
 int64_t save_weights(const std::string& path, models::CapsNet& model, int64_t step, const ExportOptions& options = {});
 
 struct ExportSummary {
@@ -84,10 +89,11 @@ struct ExportedWeights {
   nlohmann::json card;                          // null when the file has none
 };
 
-/// The weight file at `path`, or nullopt when it is not one (e.g. a training checkpoint).
+/// The weight file at `path`, or nullopt when it is not one (missing, or e.g. a training checkpoint).
+/// ExportError when it is a weight file but damaged (e.g. "weights PATH: corrupt (checksum mismatch ...)").
 std::optional<ExportedWeights> try_read_weights(const std::string& path);
 
-/// True when `path` is a weight file (written by save_weights) rather than a training checkpoint.
+/// True when `path` is a weight file (written by save_weights, damaged or not) rather than a training checkpoint.
 bool is_weights_file(const std::string& path);
 
 /// Builds the model described by weights already read from `path` (named in errors).
@@ -97,7 +103,8 @@ models::CapsNet model_from_weights(const ExportedWeights& weights, const std::st
 /// name and shape must match). Eval mode. ExportError naming the file otherwise.
 models::CapsNet load_model_from_weights(const std::string& path);
 
-/// Reads a file written by save_weights with torch::pickle_load; ExportError naming the file otherwise.
+/// Reads a file written by save_weights with torch::pickle_load and checks its "crc32" when it has one;
+/// ExportError naming the file otherwise ("corrupt" for a checksum mismatch or an unknown entry).
 ExportedWeights read_weights(const std::string& path);
 
 }  // namespace capsnet::train
