@@ -331,6 +331,43 @@ TEST(Reliability, WeightFilesAreWrittenByTheCheckpointWriterAndCleanOrphanedTemp
     EXPECT_EQ(e.path().filename().string(), "weights.pt") << "left behind: " << e.path();
 }
 
+// --- training --------------------------------------------------------------------------------------
+
+TEST(Reliability, ADivergenceBeforeTheFirstSaveSaysThePreviousRunsCheckpointIsStillThere) {
+  TempDir dir;
+  const auto out = dir / "run";
+  tiny_checkpoint(out + "/checkpoint.pt");  // a previous run's, replaced on purpose (--overwrite)
+  const auto previous = read_bytes(out + "/checkpoint.pt");
+  train::TrainOptions o;
+  o.model = tiny_config();
+  o.out_dir = out;
+  o.batch_size = 16;
+  o.max_steps = 3;
+  o.checkpoint_every = 0;
+  o.lr = 1e30;  // the first step overflows every weight: the second loss is not finite
+  o.progress = false;
+  auto set = testing::synthetic_set(64, 12, 5);
+  std::ostringstream log;
+  try {
+    train::train(o, set, nullptr, log);
+    FAIL() << "expected TrainingDiverged";
+  } catch (const train::TrainingDiverged& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.find("none written"), std::string::npos) << msg;
+    expect_contains(msg, "still holds the previous run's");
+    expect_contains(msg, out + "/checkpoint.pt");
+  }
+  EXPECT_EQ(read_bytes(out + "/checkpoint.pt"), previous);
+  // Without any checkpoint in the folder, the message says only that this run wrote none.
+  fs::remove(out + "/checkpoint.pt");
+  try {
+    train::train(o, set, nullptr, log);
+    FAIL() << "expected TrainingDiverged";
+  } catch (const train::TrainingDiverged& e) {
+    expect_contains(e.what(), "This run wrote no checkpoint yet.");
+  }
+}
+
 // --- metrics and the report ------------------------------------------------------------------------
 
 TEST(Reliability, MetricsWritesToAFullDeviceFailLoudly) {

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <iostream>
 
 #include "capsnet/models/capsnet.h"
@@ -257,9 +258,19 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
   result.total_steps = total_steps;
   result.checkpoint = options.resume;
   int64_t last_saved = step;
+  // Not resuming, a checkpoint already in out_dir is a previous run's (the caller chose to replace
+  // it): it stays until this run saves its own, and a divergence before that says so.
+  std::error_code exists_error;
+  const bool previous_checkpoint = options.resume.empty() && std::filesystem::exists(ckpt, exists_error);
   auto last_good = [&] {
-    return fmt::format("The last good checkpoint is {} (step {}). Try a lower learning rate (lr).",
-                       result.checkpoint.empty() ? "(none written yet)" : result.checkpoint, last_saved);
+    if (!result.checkpoint.empty())
+      return fmt::format("The last good checkpoint is {} (step {}). Try a lower learning rate (lr).",
+                         result.checkpoint, last_saved);
+    if (previous_checkpoint)
+      return fmt::format("This run wrote no checkpoint yet; {} still holds the previous run's, unchanged. Try a "
+                         "lower learning rate (lr).",
+                         ckpt);
+    return std::string("This run wrote no checkpoint yet. Try a lower learning rate (lr).");
   };
   auto save = [&](int64_t at_step) {
     if (!all_finite(model->parameters()))
