@@ -485,6 +485,32 @@ TEST_F(ReliabilityCli, NumericFlagsOutsideTheirDocumentedRangeAreRefusedBeforeUs
   }
 }
 
+TEST_F(ReliabilityCli, AblationKeepsAnEarlierRunWithOtherSettingsUnlessToldToOverwrite) {
+  const auto out = *dir_ / "ablation";
+  const auto ablation = kCli + " ablation --data " + data_ + " --out " + out +
+                        " --routing 1 --reconstruction off --batch-size 8 --test-limit 8 --no-progress";
+  auto r = run_command(ablation + " --steps 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto result = out + "/r1_norecon/result.json";
+  const auto before = read_bytes(result);
+  // Other settings: refused before anything is trained or removed, naming the way out.
+  r = run_command(ablation + " --steps 2");
+  EXPECT_EQ(r.status, 1) << r.output;
+  expect_contains(r.output, "r1_norecon");
+  expect_contains(r.output, "other settings");
+  expect_contains(r.output, "--overwrite");
+  EXPECT_EQ(read_bytes(result), before);
+  // An unfinished run with the same settings (killed before its result) is its own to replace.
+  fs::remove(result);
+  r = run_command(ablation + " --steps 1");
+  EXPECT_EQ(r.status, 0) << r.output;
+  expect_contains(r.output, "training");
+  // --overwrite replaces a run with other settings.
+  r = run_command(ablation + " --steps 2 --overwrite");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(read_bytes(result)).at("steps"), 2);
+}
+
 TEST_F(ReliabilityCli, TwoClassCheckpointsAndNegativeStepsGiveOneClearLine) {
   // A real 2-class model evaluated on 10-class data, and a checkpoint with a negative step.
   auto config = tiny_config();

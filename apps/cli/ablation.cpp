@@ -26,7 +26,7 @@ struct Flags {
   std::string reconstruction = "both";  // on, off, both
   int64_t epochs = 1, steps = 0, batch_size = 100, train_limit = 0, test_limit = 0;
   uint64_t seed = 1;
-  bool no_progress = false, fresh = false;
+  bool no_progress = false, fresh = false, overwrite = false;
   int threads = 0;
 };
 
@@ -44,68 +44,111 @@ nlohmann::json run_settings(const Flags& f, int64_t r, bool reconstruction) {
           {"test_limit", f.test_limit}, {"seed", f.seed}};
 }
 
+// Files that mark a sub-run folder as holding an earlier run (check_run_dir).
+const std::vector<std::string> kRunFiles = {"result.json", "settings.json", "checkpoint.pt", "metrics.jsonl"};
+
+// A JSON file's object, or null when it is missing or unreadable.
+nlohmann::json read_json_object(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return nullptr;
+  auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  return j.is_object() ? j : nlohmann::json();
+}
+
+nlohmann::json settings_in(const nlohmann::json& j) {
+  return j.is_object() ? j.value("settings", nlohmann::json()) : nlohmann::json();
+}
+
 int run(const Flags& f) {
   std::vector<bool> recon_modes;
   if (f.reconstruction != "off") recon_modes.push_back(true);
   if (f.reconstruction != "on") recon_modes.push_back(false);
+
+  // Plan every sub-run before training any: a finished run with the same settings is reused (so an
+  // interrupted ablation continues); the same run unfinished, or asked for again with --fresh, is
+  // replaced; an earlier run with other (or unknown) settings is replaced only with --overwrite.
+  struct Planned {
+    int64_t r;
+    bool recon;
+    std::string name, dir;
+    nlohmann::json settings, reuse;  // reuse: the earlier result, or null to train
+  };
+  std::vector<Planned> plan;
+  for (int64_t r : f.routing)
+    for (bool recon : recon_modes) {
+      Planned p{r, recon, fmt::format("r{}_{}", r, recon ? "recon" : "norecon"), "", run_settings(f, r, recon), {}};
+      p.dir = f.out_dir + "/" + p.name;
+      const auto result = read_json_object(p.dir + "/result.json");
+      // The settings the folder's run was started with: its result's, else those written at its start.
+      auto previous = settings_in(result);
+      if (previous.is_null()) previous = settings_in(read_json_object(p.dir + "/settings.json"));
+      if (previous == p.settings && !f.fresh && result.contains("test_error") && result["test_error"].is_number())
+        p.reuse = result;
+      if (previous != p.settings) {
+        try {
+          check_run_dir(p.dir, /*resuming=*/false, f.overwrite, /*can_resume=*/false, kRunFiles);
+        } catch (const std::invalid_argument& e) {
+          throw std::invalid_argument(
+              fmt::format("ablation: run {} was trained with other settings ({}): {}", p.name,
+                          previous.is_null() ? "not recorded" : previous.dump(), e.what()));
+        }
+      }
+      plan.push_back(std::move(p));
+    }
+
   auto train_set = data::take(data::load_mnist(f.data.resolved(), data::Split::kTrain), f.train_limit);
   auto test_set = data::take(data::load_mnist(f.data.resolved(), data::Split::kTest), f.test_limit);
   fs::create_directories(f.out_dir);
 
   nlohmann::json results = nlohmann::json::array();
-  const size_t total = f.routing.size() * recon_modes.size();
+  const size_t total = plan.size();
   size_t index = 0;
-  for (int64_t r : f.routing)
-    for (bool recon : recon_modes) {
-      ++index;
-      const std::string name = fmt::format("r{}_{}", r, recon ? "recon" : "norecon");
-      const std::string dir = f.out_dir + "/" + name;
-      const std::string result_path = dir + "/result.json";
-      const auto settings = run_settings(f, r, recon);
-      // A finished run with the same settings is reused, so an interrupted ablation continues.
-      if (!f.fresh && fs::exists(result_path)) {
-        auto old = nlohmann::json::parse(std::ifstream(result_path));
-        if (old.value("settings", nlohmann::json()) == settings) {
-          std::cerr << fmt::format("ablation: [{}/{}] {}: reusing {} (test error {:.2f}%)\n", index, total, name,
-                                   result_path, 100 * old.at("test_error").get<double>());
-          results.push_back(old);
-          continue;
-        }
-      }
-      fs::remove_all(dir);
-      std::cerr << fmt::format("ablation: [{}/{}] {}: training\n", index, total, name);
-      train::TrainOptions o;
-      o.model.routing_iterations = r;
-      o.model.reconstruction = recon;
-      o.out_dir = dir;
-      o.epochs = f.epochs;
-      o.max_steps = f.steps;
-      o.batch_size = f.batch_size;
-      o.seed = f.seed;
-      o.checkpoint_every = 0;
-      o.progress = !f.no_progress;
-      o.validate();
-      std::ostringstream log;
-      auto t = train::train(o, train_set, &test_set, log);
-      if (!t.test) throw std::runtime_error("ablation: run " + name + " ended without a test evaluation");
-      const double images = static_cast<double>(t.end_step) * f.batch_size;
-      nlohmann::json j = {{"name", name},
-                          {"settings", settings},
-                          {"routing_iterations", r},
-                          {"reconstruction", recon},
-                          {"steps", t.end_step},
-                          {"epochs_seen", images / train_set.size()},
-                          {"test_accuracy", t.test->accuracy},
-                          {"test_error", 1 - t.test->accuracy},
-                          {"test_examples", t.test->examples},
-                          {"train_seconds", t.seconds},
-                          {"train_img_s", t.images_per_second},
-                          {"paper_test_error_percent", paper_error(r, recon)}};
-      write_text_file(result_path, j.dump(2) + "\n");
-      std::cerr << fmt::format("ablation: [{}/{}] {}: test error {:.2f}% ({} steps, {:.0f} s)\n", index, total, name,
-                               100 * (1 - t.test->accuracy), t.end_step, t.seconds);
-      results.push_back(j);
+  for (const auto& [r, recon, name, dir, settings, reuse] : plan) {
+    ++index;
+    const std::string result_path = dir + "/result.json";
+    if (!reuse.is_null()) {
+      std::cerr << fmt::format("ablation: [{}/{}] {}: reusing {} (test error {:.2f}%)\n", index, total, name,
+                               result_path, 100 * reuse.at("test_error").get<double>());
+      results.push_back(reuse);
+      continue;
     }
+    fs::remove_all(dir);
+    // Written first, so that a later ablation recognises this run even if it is interrupted.
+    fs::create_directories(dir);
+    write_text_file(dir + "/settings.json", nlohmann::json{{"settings", settings}}.dump(2) + "\n");
+    std::cerr << fmt::format("ablation: [{}/{}] {}: training\n", index, total, name);
+    train::TrainOptions o;
+    o.model.routing_iterations = r;
+    o.model.reconstruction = recon;
+    o.out_dir = dir;
+    o.epochs = f.epochs;
+    o.max_steps = f.steps;
+    o.batch_size = f.batch_size;
+    o.seed = f.seed;
+    o.checkpoint_every = 0;
+    o.progress = !f.no_progress;
+    o.validate();
+    std::ostringstream log;
+    auto t = train::train(o, train_set, &test_set, log);
+    if (!t.test) throw std::runtime_error("ablation: run " + name + " ended without a test evaluation");
+    const double images = static_cast<double>(t.end_step) * f.batch_size;
+    nlohmann::json j = {{"name", name},
+                        {"settings", settings},
+                        {"routing_iterations", r},
+                        {"reconstruction", recon},
+                        {"steps", t.end_step},
+                        {"epochs_seen", images / train_set.size()},
+                        {"test_accuracy", t.test->accuracy},
+                        {"test_error", 1 - t.test->accuracy},
+                        {"test_examples", t.test->examples},
+                        {"train_seconds", t.seconds},
+                        {"train_img_s", t.images_per_second},
+                        {"paper_test_error_percent", paper_error(r, recon)}};
+    write_text_file(result_path, j.dump(2) + "\n");
+    std::cerr << fmt::format("ablation: [{}/{}] {}: test error {:.2f}% ({} steps, {:.0f} s)\n", index, total, name,
+                             100 * (1 - t.test->accuracy), t.end_step, t.seconds);
+    results.push_back(j);
+  }
 
   write_text_file(f.out_dir + "/ablation.json", results.dump(2) + "\n");
   std::string table = "| routing iterations r | reconstruction | epochs | test error (ours) | test error (paper) |\n"
@@ -147,6 +190,7 @@ Subcommand add_ablation(CLI::App& root) {
       ->check(CLI::NonNegativeNumber);
   app->add_option("--seed", f->seed, "Seed of every run")->capture_default_str();
   app->add_flag("--fresh", f->fresh, "Retrain runs that already have a result with the same settings");
+  add_overwrite_flag(*app, f->overwrite);
   app->add_flag("--no-progress", f->no_progress, "No progress bars");
   add_threads_flag(*app, f->threads);
   return {app, [f]() {

@@ -54,9 +54,11 @@ std::string numeric_limits_markdown();
 
 /// --overwrite: lets a command replace the previous run in its --out folder.
 void add_overwrite_flag(CLI::App& app, bool& overwrite);
-/// Refuses an --out folder that holds a previous run (a non-empty checkpoint.pt or metrics.jsonl)
-/// unless the command resumes it or --overwrite was given; the message names both ways out.
-void check_run_dir(const std::string& out_dir, bool resuming, bool overwrite, bool can_resume);
+/// Refuses an --out folder that holds a previous run (a non-empty file of `run_files`: by default a
+/// checkpoint.pt or metrics.jsonl) unless the command resumes it or --overwrite was given; the message
+/// names both ways out.
+void check_run_dir(const std::string& out_dir, bool resuming, bool overwrite, bool can_resume,
+                   const std::vector<std::string>& run_files = {"checkpoint.pt", "metrics.jsonl"});
 /// Refuses an output path that is one of the command's input files (e.g. --out = --checkpoint).
 void check_not_an_input(const std::string& out, const std::vector<std::string>& inputs);
 

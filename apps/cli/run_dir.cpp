@@ -16,14 +16,15 @@ void add_overwrite_flag(CLI::App& app, bool& overwrite) {
                "refused");
 }
 
-void check_run_dir(const std::string& out_dir, bool resuming, bool overwrite, bool can_resume) {
+void check_run_dir(const std::string& out_dir, bool resuming, bool overwrite, bool can_resume,
+                   const std::vector<std::string>& run_files) {
   if (resuming || overwrite) return;
   std::string found;
-  for (const char* name : {"checkpoint.pt", "metrics.jsonl"}) {
+  for (const auto& name : run_files) {
     std::error_code ec;
     const auto p = fs::path(out_dir) / name;
     if (fs::exists(p, ec) && !(fs::is_regular_file(p, ec) && fs::file_size(p, ec) == 0))
-      found += (found.empty() ? "" : ", ") + std::string(name);
+      found += (found.empty() ? "" : ", ") + name;
   }
   if (found.empty()) return;
   throw std::invalid_argument(fmt::format(
