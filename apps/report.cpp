@@ -33,18 +33,25 @@ std::string number(double v) {
   return fmt::format("{:.4g}", v);
 }
 
-std::string cell(const nlohmann::json& v) {
+// Arrays and objects nested deeper than this are shown as "…": rendering recurses once per level, and
+// a crafted file may nest 100,000 levels (the parser itself is iterative), which would overflow the stack.
+constexpr int kMaxTableDepth = 32;
+
+std::string json_table_at(const nlohmann::json& value, const std::vector<std::string>& leading_columns, int depth);
+
+std::string cell(const nlohmann::json& v, int depth) {
   if (v.is_number()) return number(v.get<double>());
   if (v.is_string()) return html_escape(v.get<std::string>());
   if (v.is_boolean()) return v.get<bool>() ? "yes" : "no";
   if (v.is_null()) return "";
+  if (depth >= kMaxTableDepth) return "…";
   const bool scalars = std::none_of(v.begin(), v.end(), [](const auto& e) { return e.is_structured(); });
   if (v.is_array() && scalars) {  // e.g. a per-dimension list: short numbers, wrapped
     std::string out;
-    for (const auto& e : v) out += (out.empty() ? "" : ", ") + cell(e);
+    for (const auto& e : v) out += (out.empty() ? "" : ", ") + cell(e, depth + 1);
     return "<span class=list>[" + out + "]</span>";
   }
-  return json_table(v);  // nested objects / arrays of objects: a table inside the cell
+  return json_table_at(v, {}, depth + 1);  // nested objects / arrays of objects: a table inside the cell
 }
 
 // What the page knows of an experiment kind beyond the generic tables, matched by the "task" of its summary
@@ -298,7 +305,9 @@ std::string svg_line_chart(const std::vector<Series>& series, const std::string&
   return svg + "</svg>\n";
 }
 
-std::string json_table(const nlohmann::json& value, const std::vector<std::string>& leading_columns) {
+namespace {
+
+std::string json_table_at(const nlohmann::json& value, const std::vector<std::string>& leading_columns, int depth) {
   std::string html = "<table>\n";
   if (value.is_array() && !value.empty() && std::all_of(value.begin(), value.end(), [](auto& v) { return v.is_object(); })) {
     std::vector<std::string> columns;
@@ -312,19 +321,25 @@ std::string json_table(const nlohmann::json& value, const std::vector<std::strin
     html += "</tr>\n";
     for (const auto& row : value) {
       html += "<tr>";
-      for (const auto& c : columns) html += "<td>" + (row.contains(c) ? cell(row[c]) : std::string()) + "</td>";
+      for (const auto& c : columns) html += "<td>" + (row.contains(c) ? cell(row[c], depth) : std::string()) + "</td>";
       html += "</tr>\n";
     }
   } else if (value.is_object()) {
-    for (auto& [k, v] : value.items()) html += "<tr><th>" + html_escape(k) + "</th><td>" + cell(v) + "</td></tr>\n";
+    for (auto& [k, v] : value.items()) html += "<tr><th>" + html_escape(k) + "</th><td>" + cell(v, depth) + "</td></tr>\n";
   } else if (value.is_array()) {
     // Mixed or nested arrays (e.g. a confusion matrix): one row per element. Recursing into cell()
     // with the array itself would never end.
-    for (const auto& v : value) html += "<tr><td>" + cell(v) + "</td></tr>\n";
+    for (const auto& v : value) html += "<tr><td>" + cell(v, depth) + "</td></tr>\n";
   } else {
-    html += "<tr><td>" + cell(value) + "</td></tr>\n";
+    html += "<tr><td>" + cell(value, depth) + "</td></tr>\n";
   }
   return html + "</table>\n";
+}
+
+}  // namespace
+
+std::string json_table(const nlohmann::json& value, const std::vector<std::string>& leading_columns) {
+  return json_table_at(value, leading_columns, 0);
 }
 
 ReportSummary write_report(const std::string& runs_dir, const std::string& out_path, const std::string& title) {

@@ -411,6 +411,28 @@ TEST(Reliability, ReportSurvivesNestedArraysAndMalformedMetricsLines) {
   expect_contains(html, "90.00%");  // the one good eval record
 }
 
+TEST(Reliability, ReportRendersJsonNestedAHundredThousandLevelsDeep) {
+  // The parser is iterative; rendering recurses once per level and stops at a fixed depth ("…").
+  const int depth = 100000;
+  std::string arrays = std::string(depth, '[') + std::string(depth, ']');
+  std::string objects;
+  for (int i = 0; i < depth; ++i) objects += "{\"a\":";
+  objects += "1" + std::string(depth, '}');
+  const auto html = apps::json_table(nlohmann::json::parse(arrays));
+  expect_contains(html, "…");
+  EXPECT_LT(html.size(), 10000u);
+  TempDir dir;
+  fs::create_directories(dir / "run");
+  write_bytes(dir / "run/arrays.json", arrays);
+  write_bytes(dir / "run/objects.json", objects);
+  write_bytes(dir / "run/metrics.jsonl", objects + "\n{\"event\":\"eval\",\"step\":5,\"accuracy\":0.9}\n");
+  const auto summary = apps::write_report(dir.str(), dir / "report.html", "t");
+  EXPECT_EQ(summary.tables, 2);
+  const auto page = read_bytes(dir / "report.html");
+  expect_contains(page, "…");
+  expect_contains(page, "90.00%");
+}
+
 // --- the command line ------------------------------------------------------------------------------
 
 class ReliabilityCli : public ::testing::Test {
