@@ -552,6 +552,40 @@ TEST_F(ReliabilityCli, TwoClassCheckpointsAndNegativeStepsGiveOneClearLine) {
   }
 }
 
+TEST_F(ReliabilityCli, OutputsAreCheckedAndNeverReplaceTheFilesACommandReads) {
+  ASSERT_EQ(first_.status, 0) << first_.output;
+  const auto ckpt = run_ + "/checkpoint.pt";
+  const auto before = read_bytes(ckpt);
+  const auto images = data_ + "/t10k-images-idx3-ubyte";
+  // predict: a full device is an error, not "wrote N predictions"; the checkpoint is an input too.
+  if (fs::exists("/dev/full")) {
+    auto r = run_command(kCli + " predict --checkpoint " + ckpt + " --output /dev/full " + images);
+    EXPECT_EQ(r.status, 1) << r.output;
+    expect_contains(r.output, "cannot write the predictions to /dev/full");
+    EXPECT_EQ(r.output.find("wrote"), std::string::npos) << r.output;
+  }
+  auto r = run_command(kCli + " predict --checkpoint " + ckpt + " --output " + ckpt + " " + images);
+  EXPECT_EQ(r.status, 1) << r.output;
+  expect_contains(r.output, "is the input");
+  // report: its page may replace an earlier page, never a checkpoint or result under --runs.
+  r = run_command(kCli + " report --runs " + dir_->str() + " --out " + ckpt);
+  EXPECT_EQ(r.status, 1) << r.output;
+  expect_contains(r.output, "is the input");
+  EXPECT_EQ(read_bytes(ckpt), before);
+  r = run_command(kCli + " report --runs " + dir_->str() + " --out " + (*dir_ / "report.html"));
+  EXPECT_EQ(r.status, 0) << r.output;
+  r = run_command(kCli + " report --runs " + dir_->str() + " --out " + (*dir_ / "report.html"));
+  EXPECT_EQ(r.status, 0) << r.output;
+  // bench: --jsonl is appended to, so it must not be the Python or a script the bench runs.
+  const auto script = *dir_ / "peer.py";
+  write_bytes(script, "print('peer')\n");
+  r = run_command(kCli + " bench --configs fused --repeats 1 --steps 1 --infer-batches 1 --latency-runs 1 "
+                         "--peer-script " + script + " --jsonl " + script);
+  EXPECT_EQ(r.status, 1) << r.output;
+  expect_contains(r.output, "is the input");
+  EXPECT_EQ(read_bytes(script), "print('peer')\n");
+}
+
 TEST_F(ReliabilityCli, PredictInSmallBatchesAnswersExactlyAsInOneBatch) {
   // Memory is bounded by --batch-size because predict decodes, runs and writes one batch at a time;
   // the answers must not depend on where the batches split.

@@ -345,6 +345,8 @@ Subcommand add_bench(CLI::App& root) {
   return {app, [f]() {
             if (f->threads > 0) set_threads(f->threads);
             if (!f->worker.empty()) return run_one(*f);
+            // Appending to the Python or a peer script it runs would damage them.
+            if (!f->jsonl.empty()) check_not_an_input(f->jsonl, {f->python, f->peer_script, f->tuned_peer_script});
             return f->onednn_counts ? run_onednn_counts(*f) : run_all(*f);
           }};
 }

@@ -140,7 +140,11 @@ Subcommand add_predict(CLI::App& root) {
   return {app, [f]() {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             if (f->json) f->format = "jsonl";
-            if (!f->output.empty()) check_not_an_input(f->output, f->inputs);
+            if (!f->output.empty()) {
+              auto inputs = f->inputs;
+              inputs.push_back(f->checkpoint);
+              check_not_an_input(f->output, inputs);
+            }
             if (f->threads > 0) set_threads(f->threads);
             auto model = train::load_model(f->checkpoint);
             model->set_precision(nn::parse_precision(f->precision));
@@ -159,6 +163,14 @@ Subcommand add_predict(CLI::App& root) {
               if (!file) throw std::runtime_error("cannot write " + f->output);
             }
             std::ostream& out = f->output.empty() ? std::cout : file;
+            // A full disk (or /dev/full) fails the stream, not the program: check it after every batch
+            // and at the end, so predictions that were not written are never reported as written.
+            const std::string out_name = f->output.empty() ? "standard output" : f->output;
+            auto check_written = [&] {
+              if (!out) throw std::runtime_error(fmt::format("cannot write the predictions to {} (disk full or I/O "
+                                                             "error)",
+                                                             out_name));
+            };
             PredictionWriter writer(out, f->format, spec.class_names, f->pose, model->config.digit_dim);
             torch::NoGradGuard no_grad;
             int64_t written = 0;
@@ -172,6 +184,7 @@ Subcommand add_predict(CLI::App& root) {
               for (size_t b = 0; b < names.size(); ++b) writer.write(names[b], lengths[b], pose[b]);
               written += static_cast<int64_t>(names.size());
               out.flush();
+              check_written();
             };
             std::vector<std::string> pending;  // image files waiting for a full batch
             auto flush_files = [&] {
@@ -212,6 +225,9 @@ Subcommand add_predict(CLI::App& root) {
               }
             }
             flush_files();
+            out.flush();  // the CSV header of an empty input set is written here
+            if (!f->output.empty()) file.close();
+            check_written();
             if (!f->output.empty())
               std::cerr << fmt::format("wrote {} predictions to {} ({})\n", written, f->output, f->format);
             return 0;
