@@ -505,6 +505,22 @@ TEST_F(ReliabilityCli, NumericFlagsOutsideTheirDocumentedRangeAreRefusedBeforeUs
     expect_contains(r.output, phrase);
     EXPECT_FALSE(fs::exists(*dir_ / "never/metrics.jsonl")) << flags;
   }
+  // The other training commands: the same table, checked before any data is read or folder made.
+  const auto never = *dir_ / "never_other";
+  const std::vector<std::string> commands = {
+      "multimnist --batch-size 9223372036854775807", "multimnist --test-size 100000000",
+      "multimnist --seed -1",                         "multimnist --steps 4611686018427387904",
+      "em --batch-size 100000",                       "em --routing-iters 101",
+      "em --lambda-first nan",                        "em --train-size -5",
+      "ablation --batch-size 9223372036854775807",    "ablation --epochs 4611686018427387904",
+      "ablation --routing 1,1000",                    "ablation --seed 18446744073709551616",
+  };
+  for (const auto& command : commands) {
+    auto r = run_command(kCli + " " + command + " --data " + data_ + " --out " + never + " --no-progress");
+    EXPECT_NE(r.status, 0) << command << "\n" << r.output;
+    expect_contains(r.output, "out of range");
+    EXPECT_FALSE(fs::exists(never)) << command << " wrote into --out";
+  }
 }
 
 TEST_F(ReliabilityCli, AblationKeepsAnEarlierRunWithOtherSettingsUnlessToldToOverwrite) {

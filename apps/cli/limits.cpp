@@ -100,8 +100,10 @@ void apply_numeric_limits(CLI::App& app) {
       if (r.integer && o->get_type_name().rfind("FLOAT", 0) == 0)
         throw std::logic_error(fmt::format("capsnet {} {}: a real-valued option with an integer range (cli/limits.cpp)",
                                            sub->get_name(), name));
-      o->check(CLI::Validator([r](std::string& text) { return check_text(text, r); },
-                              fmt::format("{:g}..{:g}", r.lo, r.hi), "RANGE"));
+      // First of the option's validators (transform() prepends; it changes nothing): the documented
+      // range speaks before a command's own CLI::Range / NonNegativeNumber, whose messages print 1.8e308.
+      o->transform(CLI::Validator([r](std::string& text) { return check_text(text, r); },
+                                  fmt::format("{:g}..{:g}", r.lo, r.hi), "RANGE"));
     }
     apply_numeric_limits(*sub);
   }
