@@ -37,6 +37,38 @@ std::string number(double v) {
 // a crafted file may nest 100,000 levels (the parser itself is iterative), which would overflow the stack.
 constexpr int kMaxTableDepth = 32;
 
+// Files the report reads are untrusted: values nested deeper than this are refused when parsed, as
+// malformed. Parsing is iterative, but copying and destroying a value recurse once per level (a
+// bench summary nested 1,000,000 levels crashed the report in a copy); our own files nest < 10.
+constexpr int kMaxParseDepth = 100000;
+
+// Deepest nesting of arrays and objects in JSON text (brackets inside strings do not count).
+int json_nesting_depth(const std::string& text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+// text -> JSON, or a discarded value when malformed or nested deeper than kMaxParseDepth (measured
+// before parsing: nlohmann's callback parser copies values, which recurses too).
+nlohmann::json parse_untrusted(const std::string& text) {
+  if (json_nesting_depth(text) > kMaxParseDepth) return nlohmann::json(nlohmann::json::value_t::discarded);
+  return nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+}
+
 std::string json_table_at(const nlohmann::json& value, const std::vector<std::string>& leading_columns, int depth);
 
 std::string cell(const nlohmann::json& v, int depth) {
@@ -147,7 +179,7 @@ std::string metrics_section(const fs::path& path, const std::string& name) {
   std::string line;
   while (std::getline(in, line)) {
     if (line.empty()) continue;
-    nlohmann::json r = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    nlohmann::json r = parse_untrusted(line);
     // Tolerate a line cut by an interrupted run, or any record of another shape: skip it.
     if (r.is_object() && r.contains("event") && r["event"].is_string()) records.push_back(std::move(r));
   }
@@ -184,7 +216,7 @@ std::string bench_section(const fs::path& path, int& tables) {
   std::ifstream in(path);
   std::string line;
   while (std::getline(in, line)) {
-    nlohmann::json r = nlohmann::json::parse(line, nullptr, false);
+    nlohmann::json r = parse_untrusted(line);
     if (!r.is_object() || !r.contains("summary") || r["summary"] != true) continue;
     nlohmann::json medians = nlohmann::json::array(), ratios = nlohmann::json::array();
     const nlohmann::json median = r.value("median", nlohmann::json::object());
@@ -356,7 +388,7 @@ ReportSummary write_report(const std::string& runs_dir, const std::string& out_p
   std::map<fs::path, const Kind*> owner;
   for (const auto& p : files) {
     if (p.extension() != ".json") continue;
-    const auto& j = parsed[p] = nlohmann::json::parse(read_file(p), nullptr, false);
+    const auto& j = parsed[p] = parse_untrusted(read_file(p));
     const Kind& kind = kind_of(j);
     if (!kind.task.empty() && p.filename() == kind.task + ".json") owner[p.parent_path()] = &kind;
   }

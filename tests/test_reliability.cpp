@@ -433,6 +433,23 @@ TEST(Reliability, ReportRendersJsonNestedAHundredThousandLevelsDeep) {
   expect_contains(page, "90.00%");
 }
 
+TEST(Reliability, ReportRefusesJsonNestedAMillionLevelsDeepWithoutCrashing) {
+  // Copying or destroying such a value recursed once per level; it is now refused while parsing.
+  const int depth = 1000000;
+  const std::string deep = std::string(depth, '[') + std::string(depth, ']');
+  TempDir dir;
+  fs::create_directories(dir / "run");
+  write_bytes(dir / "run/deep.json", deep);
+  write_bytes(dir / "run/bench.jsonl", "{\"summary\":true,\"median\":{\"fused\":{\"x\":" + deep + "}}}\n" +
+                                           "{\"summary\":true,\"median\":{\"fused\":{\"train\":12.5}}}\n");
+  write_bytes(dir / "run/metrics.jsonl", deep + "\n{\"event\":\"eval\",\"step\":5,\"accuracy\":0.9}\n");
+  const auto summary = apps::write_report(dir.str(), dir / "report.html", "t");
+  EXPECT_EQ(summary.tables, 2);  // the shallow bench summary (medians + ratios); the deep one and deep.json are skipped
+  const auto page = read_bytes(dir / "report.html");
+  expect_contains(page, "12.5");
+  expect_contains(page, "90.00%");
+}
+
 // --- the command line ------------------------------------------------------------------------------
 
 class ReliabilityCli : public ::testing::Test {
