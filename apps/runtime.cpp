@@ -1,6 +1,7 @@
 #include "apps/runtime.h"
 
 #include <torch/torch.h>
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,6 +30,16 @@ void configure_runtime(int /*argc*/, char** argv) {
       // execv only returns on failure: carry on with the detected core type.
     }
 #endif
+  }
+  // OpenBLAS (the fp32 linear layers) must not start its own threads beside ATen's: on 2 cores they
+  // fight, and a batch-1 forward then waits for scheduler ticks (measured: fp32 batch-1 2.7-2.9 ms with
+  // one BLAS thread, 8 ms with a p90 up to 66 ms with OpenBLAS's default; training +5%). The library
+  // read its environment before main, so it is also told directly; the variable reaches the
+  // processes we start (--nproc workers, bench's Python peers), so they run under the same setting.
+  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) {
+    setenv("OPENBLAS_NUM_THREADS", "1", 1);
+    using SetThreads = void (*)(int);
+    if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set(1);
   }
   // CAPSNET_THREADS follows --threads' documented range (0..256, 0 = all cores); anything else is
   // ignored with a notice rather than trying to start 100000 threads.
