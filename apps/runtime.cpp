@@ -18,6 +18,17 @@ void set_threads(int n) {
   at::set_num_threads(n);
 }
 
+int set_blas_threads(int n) {
+  using Get = int (*)();
+  using Set = void (*)(int);
+  const auto get = reinterpret_cast<Get>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  const auto set = reinterpret_cast<Set>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (!get || !set) return -1;
+  const int before = get();
+  set(n);
+  return before;
+}
+
 void configure_runtime(int /*argc*/, char** argv) {
   const bool can_reexec = std::getenv("CAPSNET_NO_REEXEC") == nullptr && argv && argv[0];
   if (std::getenv("OPENBLAS_CORETYPE") == nullptr && can_reexec) {
@@ -38,8 +49,7 @@ void configure_runtime(int /*argc*/, char** argv) {
   // processes we start (--nproc workers, bench's Python peers), so they run under the same setting.
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) {
     setenv("OPENBLAS_NUM_THREADS", "1", 1);
-    using SetThreads = void (*)(int);
-    if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set(1);
+    set_blas_threads(1);
   }
   // CAPSNET_THREADS follows --threads' documented range (0..256, 0 = all cores); anything else is
   // ignored with a notice rather than trying to start 100000 threads.

@@ -8,8 +8,14 @@ namespace capsnet::apps {
 ///    nothing where detection works (docs/results.md). OpenBLAS reads it when the library loads, so
 ///    if it is unset on an AVX-512 CPU the process re-executes itself once with it set
 ///    (CAPSNET_NO_REEXEC=1 disables this).
-/// 2. Torch intra-op threads = all cores (LibTorch defaults to 1 here), or $CAPSNET_THREADS.
+/// 2. OpenBLAS runs 1 thread unless OPENBLAS_NUM_THREADS is set (its threads fought ATen's on
+///    2 cores: docs/kernels.md); the variable is exported to child processes.
+/// 3. Torch intra-op threads = all cores (LibTorch defaults to 1 here), or $CAPSNET_THREADS.
 void configure_runtime(int argc, char** argv);
+
+/// Sets OpenBLAS's thread count in this process and returns the previous one; -1 (and nothing
+/// set) when the BLAS loaded is not OpenBLAS.
+int set_blas_threads(int n);
 
 /// The most intra-op threads a capsnet program starts (--threads and CAPSNET_THREADS).
 inline constexpr int kMaxThreads = 256;
