@@ -1,7 +1,5 @@
 #include "apps/benchmark.h"
 
-#include "apps/runtime.h"
-
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -10,6 +8,8 @@
 #include <fstream>
 #include <limits>
 #include <vector>
+
+#include "apps/runtime.h"
 
 namespace capsnet::apps {
 namespace {
