@@ -8,6 +8,8 @@
 // changes (its version counter or its storage, i.e. after an optimizer step or a load), and a
 // convolution's blocked output feeds the next convolution (Conv1 -> ReLU -> PrimaryCaps) directly.
 // Training keeps the plain path: autograd has no formulas for blocked tensors in LibTorch 1.13.
+// Cost: one blocked copy of each convolution's weights stays with its module once it has inferred
+// (PrimaryCaps: 21 MB in fp32, 10.6 MB in bf16).
 
 #include <torch/torch.h>
 
