@@ -97,6 +97,20 @@ TEST(BlockedConv, AutogradKeepsThePlainPath) {
   EXPECT_FALSE(nn::conv2d_at(conv, xb, Precision::kFloat32, &blocked).is_mkldnn());
 }
 
+// Finite differences run the model under NoGradGuard: a float64 model must stay float64 there.
+TEST(BlockedConv, Float64ModelsKeepThePlainPath) {
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(2, 3, 3));
+  conv->to(torch::kDouble);
+  nn::BlockedConvWeights blocked;
+  const auto x = torch::rand({1, 2, 5, 5}, torch::kDouble);
+  torch::NoGradGuard no_grad;
+  const auto y = nn::conv2d_at(conv, x, Precision::kFloat32, &blocked);
+  EXPECT_FALSE(y.is_mkldnn());
+  EXPECT_EQ(y.scalar_type(), torch::kDouble);
+  EXPECT_TRUE(torch::equal(y, conv->forward(x)));
+  EXPECT_EQ(blocked.reorders(), 0);
+}
+
 TEST(BlockedConv, ACloneStartsWithoutTheOriginalsWeights) {
   nn::PrimaryCaps caps(nn::PrimaryCapsOptions(4, 2, 4).kernel_size(3));
   {

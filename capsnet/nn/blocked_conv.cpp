@@ -28,6 +28,10 @@ bool BlockedConvWeights::usable(const torch::nn::Conv2d& conv, const torch::Tens
   return !torch::GradMode::is_enabled() && at::hasMKLDNN() && at::globalContext().userEnabledMkldnn() &&
          x.device().is_cpu() && (x.is_mkldnn() || x.layout() == torch::kStrided) &&
          (dtype == torch::kFloat32 || dtype == torch::kBFloat16) && conv->weight.device().is_cpu() &&
+         // fp32 masters and fp32 (or already compute-dtype) inputs only: a float64 model (gradchecks,
+         // finite differences under NoGradGuard) must not be rounded to fp32 here.
+         conv->weight.scalar_type() == torch::kFloat32 &&
+         (x.is_mkldnn() || x.scalar_type() == torch::kFloat32 || x.scalar_type() == dtype) &&
          o.groups() == 1 && o.padding().index() == 0 && o.padding_mode().index() == 0;
 }
 

@@ -27,7 +27,8 @@ class BlockedConvWeights {
   BlockedConvWeights& operator=(const BlockedConvWeights&);
 
   /// True when conv(x) may run blocked: autograd is not recording, x is a CPU tensor (dense or
-  /// blocked), dtype is fp32 or bf16, and conv has groups 1 and numeric zero padding.
+  /// blocked) in fp32 or `dtype`, the weights are fp32, dtype is fp32 or bf16, and conv has groups 1
+  /// and numeric zero padding. A float64 model always takes the plain path.
   static bool usable(const torch::nn::Conv2d& conv, const torch::Tensor& x, torch::ScalarType dtype);
 
   /// y = conv(x) in `dtype` with the cached blocked weights. x: [B, C, H, W], dense (any float dtype)
