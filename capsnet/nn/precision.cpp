@@ -1,12 +1,12 @@
 #include "capsnet/nn/precision.h"
 
-#include "capsnet/nn/batch_swapped_conv.h"
-
 #include <cpuid.h>
 #include <fmt/format.h>
 
 #include <stdexcept>
 #include <variant>
+
+#include "capsnet/nn/batch_swapped_conv.h"
 
 namespace capsnet::nn {
 
@@ -50,17 +50,16 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Prec
               "conv2d_at: only numeric zero padding is supported");
   using std::get;
   const torch::ExpandingArray<2> padding = get<0>(o.padding());
+  const auto xc = x.to(dtype), w = conv->weight.to(dtype), b = conv->bias.defined() ? conv->bias.to(dtype) : conv->bias;
   // Many input channels: oneDNN's bf16 weight gradient is ~2x slower than the same FLOPs as a forward
   // convolution (measured, docs/kernels.md), so the weight gradient runs batch-swapped. With few
   // (Conv1: 1) the swapped form is slower (8.5 vs 14 ms at batch 100) and oneDNN's stays.
   if (o.groups() == 1 && o.in_channels() >= kBatchSwappedMinInChannels) {
     const Conv2dGeometry geometry{{o.stride()->at(0), o.stride()->at(1)}, {padding->at(0), padding->at(1)},
                                   {o.dilation()->at(0), o.dilation()->at(1)}};
-    return conv2d_batch_swapped(x.to(dtype), conv->weight.to(dtype),
-                                conv->bias.defined() ? conv->bias.to(dtype) : conv->bias, geometry);
+    return conv2d_batch_swapped(xc, w, b, geometry);
   }
-  return torch::conv2d(x.to(dtype), conv->weight.to(dtype), conv->bias.defined() ? conv->bias.to(dtype) : conv->bias,
-                       o.stride(), padding, o.dilation(), o.groups());
+  return torch::conv2d(xc, w, b, o.stride(), padding, o.dilation(), o.groups());
 }
 
 torch::Tensor linear_at(torch::nn::Linear& linear, const torch::Tensor& x, Precision precision) {
