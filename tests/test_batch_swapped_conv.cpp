@@ -103,5 +103,19 @@ TEST(BatchSwappedConv, Bf16ConvolutionsOfConv2dAtUseIt) {
   EXPECT_LT(rel, 3e-2);  // bf16 inputs rounded to 8 significant bits, sums accumulated in fp32
 }
 
+// Which convolutions take it: the measured geometries of docs/kernels.md.
+TEST(BatchSwappedConv, OnlyWideConvolutionsWithASmallOutputUseIt) {
+  auto conv = [](int64_t in, int64_t out, int64_t k, int64_t stride, int64_t pad, int64_t groups = 1) {
+    return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, k).stride(stride).padding(pad).groups(groups))->options;
+  };
+  EXPECT_TRUE(nn::use_batch_swapped_weight_grad(conv(256, 256, 9, 2, 0), 20, 20));  // PrimaryCaps: 6 x 6
+  EXPECT_FALSE(nn::use_batch_swapped_weight_grad(conv(1, 256, 9, 1, 0), 28, 28));   // Conv1: 1 channel
+  EXPECT_FALSE(nn::use_batch_swapped_weight_grad(conv(256, 256, 5, 1, 2), 20, 20)); // CNN conv2: 20 x 20
+  EXPECT_FALSE(nn::use_batch_swapped_weight_grad(conv(256, 128, 5, 1, 2), 10, 10)); // CNN conv3: 10 x 10
+  EXPECT_TRUE(nn::use_batch_swapped_weight_grad(conv(32, 8, 3, 1, 1), 8, 8));       // 8 x 8 = the limit
+  EXPECT_FALSE(nn::use_batch_swapped_weight_grad(conv(32, 8, 3, 1, 1), 9, 8));
+  EXPECT_FALSE(nn::use_batch_swapped_weight_grad(conv(256, 256, 9, 2, 0, 2), 20, 20));
+}
+
 }  // namespace
 }  // namespace capsnet

@@ -1,6 +1,7 @@
 // The one training loop (capsnet/train/loop.h) on a task small enough to reason about exactly:
 // linear regression, whose batches record which examples the loop asked for.
 #include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -263,6 +264,57 @@ TEST(LoopTest, OneCycleWarmsUpToThePeakThenAnnealsToNearZeroAndFixesItsLength) {
   }
 }
 
+/// The regression task with a scripted held-out accuracy per evaluation (then 0).
+class ScriptedAccuracyTask : public RegressionTask {
+ public:
+  explicit ScriptedAccuracyTask(std::vector<double> accuracies)
+      : RegressionTask(10, true), accuracies_(std::move(accuracies)) {}
+  std::optional<train::Evaluation> evaluate(std::ostream*) override {
+    const size_t k = static_cast<size_t>(evaluations++);
+    const double acc = k < accuracies_.size() ? accuracies_[k] : 0.0;
+    return train::Evaluation{{{"accuracy", acc}}, fmt::format("accuracy {}", acc)};
+  }
+
+ private:
+  std::vector<double> accuracies_;
+};
+
+TEST(LoopTest, ATargetAccuracyStopsAtTheFirstEpochThatReachesIt) {
+  TempDir dir;
+  std::ostringstream log;
+  ScriptedAccuracyTask task({0.5, 0.89, 0.9, 0.95});
+  auto o = options(dir / "run");
+  o.epochs = 5;  // 3 steps per epoch
+  o.target_accuracy = 0.9;
+  auto r = train::run(task, o, log);
+  EXPECT_TRUE(r.target_reached);
+  EXPECT_EQ(r.end_step, 9) << "stopped at the end of epoch 3, whose accuracy (0.9) equals the target";
+  EXPECT_EQ(task.evaluations, 3);
+  EXPECT_NE(log.str().find("target accuracy 90.00% is reached"), std::string::npos) << log.str();
+  auto end = records(o.out_dir, "end");
+  ASSERT_EQ(end.size(), 1u);
+  EXPECT_EQ(end[0]["target_reached"], true);
+  EXPECT_EQ(end[0]["step"], 9);
+  EXPECT_EQ(train::read_checkpoint_meta(train::checkpoint_path(o.out_dir)).step, 9) << "the stopping epoch is saved";
+
+  // Never reached: every epoch runs, and the end record says so.
+  ScriptedAccuracyTask never({0.1, 0.2});
+  auto o2 = options(dir / "never");
+  o2.epochs = 2;
+  o2.target_accuracy = 0.9;
+  auto r2 = train::run(never, o2, log);
+  EXPECT_FALSE(r2.target_reached);
+  EXPECT_EQ(r2.end_step, 6);
+  EXPECT_EQ(records(o2.out_dir, "end").at(0)["target_reached"], false);
+
+  // A task whose evaluation has no "accuracy" never stops early.
+  RegressionTask mse_only(10, true);
+  auto o3 = options(dir / "mse");
+  o3.epochs = 2;
+  o3.target_accuracy = 0.5;
+  EXPECT_EQ(train::run(mse_only, o3, log).end_step, 6);
+}
+
 TEST(LoopTest, BadOptionsNameTheField) {
   TempDir dir;
   RegressionTask task(10, true);
@@ -288,6 +340,13 @@ TEST(LoopTest, BadOptionsNameTheField) {
   o = options(dir / "run");
   o.epochs = 0;
   expect_field(o, "nothing to do");
+  o = options(dir / "run");
+  o.target_accuracy = 1.5;
+  expect_field(o, "target_accuracy");
+  o = options(dir / "run");
+  o.target_accuracy = 0.9;
+  o.evaluate_each_epoch = false;
+  expect_field(o, "evaluate_each_epoch");
   RegressionTask empty(0, true);
   EXPECT_THROW(train::run(empty, options(dir / "run"), log), std::invalid_argument);
 }

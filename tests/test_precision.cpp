@@ -6,6 +6,7 @@
 
 #include <fstream>
 
+#include "capsnet/models/baseline_cnn.h"
 #include "capsnet/nn/precision.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/export.h"
@@ -92,6 +93,43 @@ TEST(Precision, Bf16GradientsReachTheFp32WeightsAndAStepLowersTheLoss) {
     adam.step();
   }
   EXPECT_LT(loss_of().item<double>(), before);
+}
+
+TEST(Precision, BaselineCnnInBf16StaysCloseToFp32AndAStepLowersTheLoss) {
+  SKIP_WITHOUT_BF16();
+  torch::manual_seed(3);
+  models::BaselineCnnConfig c;
+  c.image_size = 12, c.conv1_channels = 8, c.conv2_channels = 40, c.conv3_channels = 4;  // conv3: batch-swapped
+  c.fc1_units = 16, c.fc2_units = 8, c.num_classes = 3;
+  models::BaselineCnn model(c);
+  model->eval();
+  auto x = torch::rand({8, 1, 12, 12});
+  torch::Tensor a, b;
+  {
+    torch::NoGradGuard no_grad;
+    a = model(x);
+    model->set_precision(Precision::kBFloat16);
+    b = model(x);
+  }
+  EXPECT_EQ(b.scalar_type(), torch::kFloat32) << "logits come back in the input's dtype";
+  // Six GEMM layers, each rounding its input, weights and output to 8 significant bits (2^-8 ~ 0.4%):
+  // relative errors add up to a few percent of the logits' scale at most.
+  EXPECT_LT(max_rel(b, a), 5e-2);
+
+  model->train();
+  auto labels = torch::tensor({0, 1, 2, 0, 1, 2, 0, 1}, torch::kLong);
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
+  model->drop->options.p(0);  // the loss must be comparable between steps
+  auto loss_of = [&] { return model->loss(model(x), labels); };
+  const double before = loss_of().item<double>();
+  for (int i = 0; i < 5; ++i) {
+    adam.zero_grad();
+    loss_of().backward();
+    for (const auto& p : model->parameters()) EXPECT_EQ(p.grad().scalar_type(), torch::kFloat32);
+    adam.step();
+  }
+  EXPECT_LT(loss_of().item<double>(), before);
+  for (const auto& p : model->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat32);
 }
 
 TEST(WeightStorage, HalfPrecisionFilesLoadAsTheModelThatWroteTheirProbe) {

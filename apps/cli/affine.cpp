@@ -18,6 +18,8 @@
 #include "capsnet/data/transforms.h"
 #include "capsnet/models/baseline_cnn.h"
 #include "capsnet/models/capsnet.h"
+#include "capsnet/nn/precision.h"
+#include "capsnet/train/checkpoint.h"
 #include "capsnet/train/classifier_task.h"
 #include "capsnet/train/metrics.h"
 #include "apps/runtime.h"
@@ -34,25 +36,72 @@ using Clock = std::chrono::steady_clock;
 
 struct Flags {
   DataFlags data;
-  std::string out_dir = "runs/affine", model = "both";
-  int64_t steps = 200, batch_size = 32, train_limit = 0, test_limit = 2000, max_shift = 6, eval_batch_size = 100,
-          log_every = 25;
-  double lr = 1e-3;
+  std::string out_dir = "runs/affine", model = "both", precision = "auto";
+  int64_t steps = 200, epochs = 0, batch_size = 32, train_limit = 0, test_limit = 2000, max_shift = 6,
+          eval_batch_size = 100, log_every = 25, checkpoint_every = 500;
+  double lr = 1e-3, lr_decay = 1, target_accuracy = 0;
   uint64_t seed = 1, test_seed = 2017;
-  bool cnn_no_pool = false, no_progress = false;
+  bool cnn_no_pool = false, no_progress = false, resume = false;
   int threads = 0;
 };
 
-train::Classifier make_classifier(const std::string& name, const Flags& f) {
+train::Classifier make_classifier(const std::string& name, const Flags& f, nn::Precision precision) {
   if (name == "capsnet") {
     models::CapsNetConfig c;
     c.image_size = kCanvas;  // primary grid 12x12 -> 4608 capsules; decoder outputs 40*40 = 1600 pixels
-    return train::capsnet_classifier(name, c);
+    return train::capsnet_classifier(name, c, precision);
   }
   models::BaselineCnnConfig c;
   c.image_size = kCanvas;
   c.pooling = !f.cnn_no_pool;
-  return train::cnn_classifier(name, c);
+  return train::cnn_classifier(name, c, precision);
+}
+
+/// The loop options of one model: a fixed number of steps at a constant rate (the quick comparison),
+/// or whole epochs with an evaluation on the translated test set after each, stopping at the target
+/// accuracy when one is given (the paper's protocol: train each model until it reaches ~99.2%).
+train::LoopOptions loop_options(const Flags& f, const std::string& run_dir, nn::Precision precision) {
+  auto o = train::comparison_options(run_dir, f.steps, f.batch_size, f.lr, f.seed, f.log_every, !f.no_progress);
+  o.precision = precision;
+  if (f.epochs > 0) {
+    o.epochs = f.epochs;
+    o.max_steps = 0;
+    o.lr_decay = f.lr_decay;
+    o.evaluate_each_epoch = true;
+    o.target_accuracy = f.target_accuracy;
+    o.checkpoint_every = f.checkpoint_every;
+  }
+  return o;
+}
+
+/// What a model's run directory says about its training so far (all its resumed parts together).
+struct SubRunLog {
+  int64_t step = 0, images = 0;
+  double seconds = 0;
+  bool target_reached = false;
+  nlohmann::json curve = nlohmann::json::array();  // [{epoch, step, accuracy}] of the epoch-end evaluations
+};
+
+SubRunLog read_sub_run(const std::string& run_dir) {
+  SubRunLog log;
+  std::ifstream in(train::metrics_path(run_dir));
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.contains("event")) continue;
+    const auto event = j["event"];
+    if (event == "train") {
+      log.images = j.value("images_seen", log.images);
+    } else if (event == "eval") {
+      log.curve.push_back({{"epoch", j.value("epoch", 0.0)}, {"step", j.value("step", 0)},
+                           {"accuracy", j.value("accuracy", 0.0)}});
+    } else if (event == "end") {
+      log.step = j.value("step", log.step);
+      log.seconds += j.value("seconds", 0.0);
+      log.target_reached = j.value("target_reached", false);
+    }
+  }
+  return log;
 }
 
 /// Rows of centred test digits above their affNIST-style versions: [rows * 42 + 2, 12 * 42 + 2].
@@ -73,7 +122,11 @@ torch::Tensor example_figure(const data::ImageSet& test, const data::ImageSet& w
 
 int run(const Flags& f) {
   if (f.threads > 0) set_threads(f.threads);
+  const auto precision = nn::parse_precision(f.precision);
+  note_precision_choice(f.precision);
   if (f.steps <= 0) throw std::invalid_argument(fmt::format("--steps must be positive, got {}", f.steps));
+  if (f.target_accuracy > 0 && f.epochs == 0)
+    throw std::invalid_argument("--target-accuracy needs --epochs (the most epochs to spend reaching it)");
   if (f.max_shift < 0 || f.max_shift > (kCanvas - 28) / 2)
     throw std::invalid_argument(fmt::format("--max-shift must be in [0, 6] for a 40x40 canvas, got {}", f.max_shift));
   std::vector<std::string> names;
@@ -99,13 +152,27 @@ int run(const Flags& f) {
   auto figure = example_figure(test_set, affine, 24);
   viz::write_png_gray(figure_path, figure);
 
-  train::JsonLinesWriter metrics(f.out_dir + "/metrics.jsonl", /*truncate=*/true);
+  train::JsonLinesWriter metrics(f.out_dir + "/metrics.jsonl", /*truncate=*/!f.resume);
   nlohmann::json options = {{"model", f.model},       {"steps", f.steps},           {"batch_size", f.batch_size},
                             {"lr", f.lr},             {"seed", f.seed},             {"test_seed", f.test_seed},
                             {"max_shift", f.max_shift}, {"train_examples", train_set.size()},
                             {"test_examples", test_set.size()}, {"threads", at::get_num_threads()},
-                            {"canvas", kCanvas}};
-  metrics.write({{"event", "start"}, {"options", options}});
+                            {"canvas", kCanvas},      {"precision", nn::precision_name(precision)}};
+  if (f.epochs > 0) {
+    options["epochs"] = f.epochs;
+    options["lr_decay"] = f.lr_decay;
+    options["target_accuracy"] = f.target_accuracy;
+    options.erase("steps");
+  }
+  metrics.write({{"event", "start"}, {"options", options}, {"resume", f.resume}});
+
+  // The end-of-epoch evaluation (epoch mode): the translated test set, which the target refers to.
+  const train::ClassifierEvaluator evaluate_translated = [&](train::Classifier& c, std::ostream* progress) {
+    const double acc = train::classifier_accuracy(c, translated, f.eval_batch_size, progress, "translated test");
+    return train::Evaluation{
+        {{"split", "translated_mnist"}, {"accuracy", acc}, {"error", 1 - acc}, {"examples", translated.size()}},
+        fmt::format("translated test accuracy {:.2f}% ({} images)", 100 * acc, translated.size())};
+  };
 
   nlohmann::json results = nlohmann::json::array();
   std::vector<std::string> rows;
@@ -113,17 +180,30 @@ int run(const Flags& f) {
     // MNIST placed at random in the 40x40 canvas; the batch order and placements are functions of the
     // seed and the step alone, so every model sees exactly the same training images.
     train::ClassifierTask task(
-        [&f, name] { return make_classifier(name, f); }, train_set.size(), /*shuffle=*/true,
+        [&f, name](nn::Precision p) { return make_classifier(name, f, p); }, train_set.size(), /*shuffle=*/true,
         [&](const torch::Tensor& ids, at::Generator& gen) {
           auto images = data::place_in_canvas(data::to_float(train_set.images.index_select(0, ids)), kCanvas,
                                               f.max_shift, gen);              // [B, 1, 40, 40]
           return std::make_pair(images, train_set.labels.index_select(0, ids));  // labels [B]
         },
-        nlohmann::json{{"train_examples", train_set.size()}, {"max_shift", f.max_shift}, {"canvas", kCanvas}});
+        nlohmann::json{{"train_examples", train_set.size()}, {"max_shift", f.max_shift}, {"canvas", kCanvas}},
+        f.epochs > 0 ? evaluate_translated : train::ClassifierEvaluator{});
     const auto run_dir = f.out_dir + "/" + name;
-    const auto stats = train::run(
-        task, train::comparison_options(run_dir, f.steps, f.batch_size, f.lr, f.seed, f.log_every, !f.no_progress),
-        std::cerr);
+    auto o = loop_options(f, run_dir, precision);
+    const auto ckpt = train::checkpoint_path(run_dir);
+    const bool resuming = f.resume && std::filesystem::exists(ckpt);
+    if (resuming) o.resume = ckpt;
+    if (resuming && read_sub_run(run_dir).target_reached) {
+      // Done in an earlier part: load its weights for the final evaluation instead of training on.
+      std::cerr << fmt::format("{}: reached its target in an earlier run; loading {}\n", name, ckpt);
+      torch::manual_seed(o.seed);
+      auto module = task.build_model(precision);
+      train::load_checkpoint(ckpt, *module, nullptr,
+                             [&](const nlohmann::json& saved) { return task.config_matches(saved); });
+    } else {
+      train::run(task, o, std::cerr);
+    }
+    const auto stats = read_sub_run(run_dir);  // every part of this model's run, resumed or not
     auto& r = task.classifier();
     const int64_t parameters = models::count_parameters(*r.module);
     metrics.write({{"event", "model"}, {"model", r.name}, {"parameters", parameters}, {"config", r.config},
@@ -142,21 +222,27 @@ int run(const Flags& f) {
                      {"accuracy", acc},
                      {"error", 1 - acc},
                      {"examples", test_set.size()}});
-    results.push_back({{"model", r.name},
-                       {"parameters", parameters},
-                       {"config", r.config},
-                       {"steps", stats.end_step},
-                       {"training_images_seen", stats.images},
-                       {"train_seconds", stats.seconds},
-                       {"train_images_per_second", stats.images_per_second},
-                       {"final_train_loss", train::tail_mean(stats.losses)},
-                       {"final_train_accuracy", train::tail_mean(stats.accuracies)},
-                       {"run", run_dir},
-                       {"translated_mnist_accuracy", acc_translated},
-                       {"affnist_style_accuracy", acc_affine},
-                       {"eval_seconds", eval_seconds}});
-    rows.push_back(fmt::format("{:<8} {:>11} {:>6} {:>8} {:>8.1f} {:>13.2f}% {:>17.2f}%", r.name, parameters,
-                               stats.end_step, stats.images, stats.seconds, 100 * acc_translated, 100 * acc_affine));
+    nlohmann::json row = {{"model", r.name},
+                          {"parameters", parameters},
+                          {"config", r.config},
+                          {"precision", nn::precision_name(precision)},
+                          {"steps", stats.step},
+                          {"training_images_seen", stats.images},
+                          {"train_seconds", stats.seconds},
+                          {"train_images_per_second", stats.seconds > 0 ? stats.images / stats.seconds : 0.0},
+                          {"run", run_dir},
+                          {"translated_mnist_accuracy", acc_translated},
+                          {"affnist_style_accuracy", acc_affine},
+                          {"eval_seconds", eval_seconds}};
+    if (f.epochs > 0) {
+      row["epoch_curve"] = stats.curve;
+      row["target_accuracy"] = f.target_accuracy;
+      row["target_reached"] = stats.target_reached;
+    }
+    results.push_back(row);
+    rows.push_back(fmt::format("{:<8} {:>11} {:>6} {:>8} {:>8.1f} {:>13.2f}% {:>17.2f}%{}", r.name, parameters,
+                               stats.step, stats.images, stats.seconds, 100 * acc_translated, 100 * acc_affine,
+                               f.target_accuracy > 0 && !stats.target_reached ? "  (target not reached)" : ""));
   }
   metrics.write({{"event", "end"}});
 
@@ -208,7 +294,27 @@ Subcommand add_affine(CLI::App& root) {
   app->add_option("--model", f->model, "Which model(s) to train")
       ->check(CLI::IsMember({"capsnet", "cnn", "both"}))
       ->capture_default_str();
-  app->add_option("--steps", f->steps, "Optimizer steps per model")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--steps", f->steps, "Optimizer steps per model (ignored with --epochs)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--epochs", f->epochs,
+                  "Train each model for up to this many epochs, evaluating it on the translated test set after "
+                  "each (0 = --steps steps, no evaluation until the end)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app->add_option("--target-accuracy", f->target_accuracy,
+                  "With --epochs: stop a model at the first epoch whose translated-test accuracy reaches this "
+                  "fraction (the paper's protocol: 0.99; 0 = train all the epochs)")
+      ->capture_default_str();
+  app->add_option("--lr-decay", f->lr_decay, "With --epochs: learning-rate factor per epoch, in (0, 1]")
+      ->capture_default_str();
+  app->add_option("--checkpoint-every", f->checkpoint_every,
+                  "With --epochs: steps between checkpoints (also at epoch ends)")
+      ->capture_default_str();
+  app->add_flag("--resume", f->resume,
+                "Continue each model exactly from OUT/<model>/checkpoint.pt where there is one (same options); "
+                "a model that reached --target-accuracy is only evaluated");
+  add_training_precision_flag(*app, f->precision);
   app->add_option("--batch-size", f->batch_size, "Batch size")->check(CLI::PositiveNumber)->capture_default_str();
   app->add_option("--lr", f->lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
   app->add_option("--seed", f->seed, "Seed of initialisation, batch order and placements")->capture_default_str();

@@ -14,6 +14,7 @@
 #include "capsnet/data/distorted.h"
 #include "capsnet/data/mnist.h"
 #include "capsnet/data/transforms.h"
+#include "capsnet/nn/precision.h"
 #include "capsnet/train/classifier_task.h"
 #include "capsnet/train/metrics.h"
 #include "apps/runtime.h"
@@ -30,7 +31,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Flags {
   DataFlags data;
-  std::string out_dir = "runs/stn", model = "both", stn = "both";
+  std::string out_dir = "runs/stn", model = "both", stn = "both", precision = "auto";
   int64_t steps = 300, batch_size = 32, train_limit = 0, test_limit = 2000, eval_batch_size = 100, log_every = 25,
           figure_examples = 12;
   double lr = 1e-3;
@@ -46,19 +47,19 @@ struct RunSpec {
   std::string name() const { return model + (stn ? "+stn" : ""); }
 };
 
-train::Classifier make_classifier(const RunSpec& spec, const Flags& f) {
+train::Classifier make_classifier(const RunSpec& spec, const Flags& f, nn::Precision precision) {
   if (spec.model == "capsnet") {
     models::CapsNetConfig c;
     c.image_size = kCanvas;  // primary grid 13x13
     if (f.small) c.conv1_channels = 64, c.primary_types = 16;
     c.stn = spec.stn;
-    return train::capsnet_classifier(spec.name(), c);
+    return train::capsnet_classifier(spec.name(), c, precision);
   }
   models::BaselineCnnConfig c;
   c.image_size = kCanvas;
   if (f.small) c.conv1_channels = 64, c.conv2_channels = 64, c.conv3_channels = 32;
   c.stn = spec.stn;
-  return train::cnn_classifier(spec.name(), c);
+  return train::cnn_classifier(spec.name(), c, precision);
 }
 
 /// Per-run summary of the learnt transforms on the test images: mean |theta - identity| (all six
@@ -113,6 +114,8 @@ std::vector<RunSpec> grid(const Flags& f) {
 
 int run(const Flags& f) {
   if (f.threads > 0) set_threads(f.threads);
+  const auto precision = nn::parse_precision(f.precision);
+  note_precision_choice(f.precision);
   if (f.steps <= 0) throw std::invalid_argument(fmt::format("--steps must be positive, got {}", f.steps));
   if (f.batch_size <= 0) throw std::invalid_argument(fmt::format("--batch-size must be positive, got {}", f.batch_size));
   if (f.model != "capsnet" && f.model != "cnn" && f.model != "both")
@@ -138,6 +141,7 @@ int run(const Flags& f) {
                             {"stn", f.stn},
                             {"steps", f.steps},
                             {"batch_size", f.batch_size},
+                            {"precision", nn::precision_name(precision)},
                             {"lr", f.lr},
                             {"seed", f.seed},
                             {"test_seed", f.test_seed},
@@ -148,18 +152,12 @@ int run(const Flags& f) {
                             {"canvas", kCanvas}};
   metrics.write({{"event", "start"}, {"options", options}});
 
-  // Every run sees the same training stream: step s is examples s*B .. s*B + B - 1 of (seed, n).
-  auto batch = [&](int64_t step) {
-    auto b = data::distorted_batch(train_set, f.seed, step * f.batch_size, f.batch_size, kCanvas, ranges);
-    return std::make_pair(b.images, b.labels);  // [B, 1, 42, 42], [B]
-  };
-
   std::vector<std::unique_ptr<train::ClassifierTask>> tasks;
   nlohmann::json results = nlohmann::json::array();
   for (const auto& spec : specs) {
     // Every run sees the same training stream: step s is examples s*B .. s*B + B - 1 of (seed, n).
     tasks.push_back(std::make_unique<train::ClassifierTask>(
-        [&f, spec] { return make_classifier(spec, f); }, train_set.size(), /*shuffle=*/false,
+        [&f, spec](nn::Precision p) { return make_classifier(spec, f, p); }, train_set.size(), /*shuffle=*/false,
         [&](const torch::Tensor& ids, at::Generator&) {
           auto b = data::distorted_batch(train_set, f.seed, ids[0].item<int64_t>(), ids.size(0), kCanvas, ranges);
           return std::make_pair(b.images, b.labels);  // [B, 1, 42, 42], [B]
@@ -167,9 +165,9 @@ int run(const Flags& f) {
         nlohmann::json{{"train_examples", train_set.size()}, {"canvas", kCanvas}}));
     auto& task = *tasks.back();
     const auto run_dir = f.out_dir + "/" + spec.name();
-    const auto trained = train::run(
-        task, train::comparison_options(run_dir, f.steps, f.batch_size, f.lr, f.seed, f.log_every, !f.no_progress),
-        std::cerr);
+    auto o = train::comparison_options(run_dir, f.steps, f.batch_size, f.lr, f.seed, f.log_every, !f.no_progress);
+    o.precision = precision;
+    const auto trained = train::run(task, o, std::cerr);
     auto& r = task.classifier();
     const int64_t parameters = models::count_parameters(*r.module);
     metrics.write({{"event", "model"}, {"model", r.name}, {"parameters", parameters}, {"config", r.config},
@@ -299,6 +297,7 @@ Subcommand add_stn(CLI::App& root) {
   app->add_flag("--small", f->small,
                 "Narrower models for CPU budgets: CapsNet conv1 64 channels, 16 primary types; CNN 64/64/32 channels");
   app->add_flag("--no-progress", f->no_progress, "No progress bars");
+  add_training_precision_flag(*app, f->precision);
   add_threads_flag(*app, f->threads);
   return {app, [f]() { return run(*f); }};
 }

@@ -22,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "capsnet/nn/precision.h"
 #include "capsnet/nn/spatial_transformer.h"
 
 namespace capsnet::models {
@@ -75,17 +76,27 @@ class BaselineCnnImpl : public torch::nn::Cloneable<BaselineCnnImpl> {
   explicit BaselineCnnImpl(const BaselineCnnConfig& config = {});
   void reset() override;
 
-  /// images: [B, C, S, S] float in [0, 1] (S = config.image_size). Returns logits [B, K].
-  /// Dropout is active only in train() mode; in eval() mode the output is deterministic.
+  /// images: [B, C, S, S] float in [0, 1] (S = config.image_size). Returns logits [B, K] in the
+  /// images' dtype whatever the precision. Dropout is active only in train() mode; in eval() mode the
+  /// output is deterministic.
   torch::Tensor forward(const torch::Tensor& images);
   /// Mean cross-entropy of softmax(logits) against labels. logits: [B, K]; labels: [B] int64 in [0, K).
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& labels) const;
+
+  /// Compute precision of the convolutions and fully connected layers (nn/precision.h); weights stay
+  /// fp32 and the spatial transformer, when there is one, computes in fp32. Not part of the config:
+  /// checkpoints load under either precision.
+  void set_precision(nn::Precision precision) { precision_ = precision; }
+  nn::Precision precision() const { return precision_; }
 
   BaselineCnnConfig config;
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, out{nullptr};
   torch::nn::Dropout drop{nullptr};
   nn::SpatialTransformer stn{nullptr};  // only with config.stn
+
+ private:
+  nn::Precision precision_ = nn::Precision::kFloat32;
 };
 TORCH_MODULE(BaselineCnn);
 

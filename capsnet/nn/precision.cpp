@@ -38,6 +38,16 @@ Precision parse_precision(const std::string& name) {
 
 std::string precision_name(Precision precision) { return precision == Precision::kBFloat16 ? "bf16" : "fp32"; }
 
+bool use_batch_swapped_weight_grad(const torch::nn::detail::ConvNdOptions<2>& o, int64_t in_h, int64_t in_w) {
+  if (o.groups() != 1 || o.in_channels() < kBatchSwappedMinInChannels || o.padding().index() != 0) return false;
+  using std::get;
+  const torch::ExpandingArray<2> padding = get<0>(o.padding());
+  auto out = [&](int64_t in, int d) {
+    return (in + 2 * padding->at(d) - o.dilation()->at(d) * (o.kernel_size()->at(d) - 1) - 1) / o.stride()->at(d) + 1;
+  };
+  return out(in_h, 0) * out(in_w, 1) <= kBatchSwappedMaxOutputArea;
+}
+
 torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Precision precision,
                         BlockedConvWeights* blocked) {
   const auto dtype = compute_dtype(precision);
@@ -51,10 +61,11 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Prec
   using std::get;
   const torch::ExpandingArray<2> padding = get<0>(o.padding());
   const auto xc = x.to(dtype), w = conv->weight.to(dtype), b = conv->bias.defined() ? conv->bias.to(dtype) : conv->bias;
-  // Many input channels: oneDNN's bf16 weight gradient is ~2x slower than the same FLOPs as a forward
-  // convolution (measured, docs/kernels.md), so the weight gradient runs batch-swapped. With few
-  // (Conv1: 1) the swapped form is slower (8.5 vs 14 ms at batch 100) and oneDNN's stays.
-  if (o.groups() == 1 && o.in_channels() >= kBatchSwappedMinInChannels) {
+  // Many input channels and a small output: oneDNN's bf16 weight gradient is ~2x slower than the same
+  // FLOPs as a forward convolution (measured, docs/kernels.md), so the weight gradient runs
+  // batch-swapped. With few input channels (Conv1: 1) or a large output (the CNN's 20 x 20) the swapped
+  // form is slower and oneDNN's stays.
+  if (use_batch_swapped_weight_grad(o, x.size(-2), x.size(-1))) {
     const Conv2dGeometry geometry{{o.stride()->at(0), o.stride()->at(1)}, {padding->at(0), padding->at(1)},
                                   {o.dilation()->at(0), o.dilation()->at(1)}};
     return conv2d_batch_swapped(xc, w, b, geometry);

@@ -31,10 +31,19 @@ inline torch::ScalarType compute_dtype(Precision precision) {
 /// Input channels from which conv2d_at's bf16 convolutions compute their weight gradient batch-swapped
 /// (nn/batch_swapped_conv.h): PrimaryCaps (256) does, Conv1 (1) does not.
 constexpr int64_t kBatchSwappedMinInChannels = 32;
+/// Largest output area P x Q for the batch-swapped weight gradient: the swapped convolution's kernel is
+/// the output gradient, and oneDNN's forward kernels are slow with large kernels. Measured in bf16 at
+/// batch 100 (docs/kernels.md): PrimaryCaps' 6 x 6 output ~2x faster than oneDNN's weight gradient,
+/// the baseline CNN's 10 x 10 and 20 x 20 (5 x 5 kernels, stride 1) 1.9x and 2.6x slower.
+constexpr int64_t kBatchSwappedMaxOutputArea = 64;
+
+/// Whether conv2d_at's bf16 path computes the weight gradient of `conv` on an input of spatial size
+/// in_h x in_w batch-swapped (groups 1, enough input channels, a small output).
+bool use_batch_swapped_weight_grad(const torch::nn::detail::ConvNdOptions<2>& options, int64_t in_h, int64_t in_w);
 
 /// conv(x) with input, weight and bias in the compute dtype (the output stays in it). Autograd
-/// returns fp32 gradients to the fp32 weights through the casts. In bf16 with at least
-/// kBatchSwappedMinInChannels input channels (groups 1) the weight gradient is computed batch-swapped.
+/// returns fp32 gradients to the fp32 weights through the casts. In bf16, where
+/// use_batch_swapped_weight_grad says so, the weight gradient is computed batch-swapped.
 /// With `blocked` and autograd off (BlockedConvWeights::usable), it runs on oneDNN's blocked tensors
 /// with weights reordered once, and returns a blocked tensor (is_mkldnn()): the caller calls
 /// to_dense() where it leaves its convolution stack. A blocked x is accepted either way.

@@ -17,9 +17,11 @@ torch::Tensor accuracy_of(const torch::Tensor& predicted, const torch::Tensor& l
 
 }  // namespace
 
-Classifier capsnet_classifier(const std::string& name, const models::CapsNetConfig& config) {
+Classifier capsnet_classifier(const std::string& name, const models::CapsNetConfig& config,
+                              nn::Precision precision) {
   config.validate();
   models::CapsNet model(config);
+  model->set_precision(precision);
   Classifier c;
   c.name = name;
   c.module = model.ptr();
@@ -35,9 +37,11 @@ Classifier capsnet_classifier(const std::string& name, const models::CapsNetConf
   return c;
 }
 
-Classifier cnn_classifier(const std::string& name, const models::BaselineCnnConfig& config) {
+Classifier cnn_classifier(const std::string& name, const models::BaselineCnnConfig& config,
+                          nn::Precision precision) {
   config.validate();
   models::BaselineCnn model(config);
+  model->set_precision(precision);
   Classifier c;
   c.name = name;
   c.module = model.ptr();
@@ -52,19 +56,23 @@ Classifier cnn_classifier(const std::string& name, const models::BaselineCnnConf
   return c;
 }
 
-ClassifierTask::ClassifierTask(std::function<Classifier()> make, int64_t epoch_size, bool shuffle,
-                               LabelledBatchSource source, nlohmann::json data_config)
+ClassifierTask::ClassifierTask(std::function<Classifier(nn::Precision)> make, int64_t epoch_size, bool shuffle,
+                               LabelledBatchSource source, nlohmann::json data_config, ClassifierEvaluator evaluator)
     : make_(std::move(make)),
       epoch_size_(epoch_size),
       shuffle_(shuffle),
       source_(std::move(source)),
-      data_config_(std::move(data_config)) {}
+      data_config_(std::move(data_config)),
+      evaluator_(std::move(evaluator)) {}
 
 std::shared_ptr<torch::nn::Module> ClassifierTask::build_model(nn::Precision precision) {
-  if (precision != nn::Precision::kFloat32)
-    throw std::invalid_argument("the comparison classifiers compute in fp32 only (precision)");
-  classifier_ = make_();
+  classifier_ = make_(precision);
   return classifier_.module;
+}
+
+std::optional<Evaluation> ClassifierTask::evaluate(std::ostream* progress) {
+  if (!evaluator_) return std::nullopt;
+  return evaluator_(classifier_, progress);
 }
 
 Batch ClassifierTask::batch(const torch::Tensor& ids, at::Generator& gen) const {

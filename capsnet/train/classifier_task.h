@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <utility>
@@ -15,6 +16,7 @@
 #include "capsnet/data/mnist.h"
 #include "capsnet/models/baseline_cnn.h"
 #include "capsnet/models/capsnet.h"
+#include "capsnet/nn/precision.h"
 #include "capsnet/nn/spatial_transformer.h"
 #include "capsnet/train/loop.h"
 
@@ -33,22 +35,32 @@ struct Classifier {
   std::function<nn::SpatialTransformerOutput(const torch::Tensor&)> transformer;
 };
 
-/// CapsNet: margin + scaled reconstruction loss, prediction = the longest capsule.
-Classifier capsnet_classifier(const std::string& name, const models::CapsNetConfig& config);
-/// Baseline CNN: cross-entropy, prediction = argmax of the logits.
-Classifier cnn_classifier(const std::string& name, const models::BaselineCnnConfig& config);
+/// CapsNet: margin + scaled reconstruction loss, prediction = the longest capsule; convolutions and
+/// decoder computed at `precision` (models/capsnet.h).
+Classifier capsnet_classifier(const std::string& name, const models::CapsNetConfig& config,
+                              nn::Precision precision = nn::Precision::kFloat32);
+/// Baseline CNN: cross-entropy, prediction = argmax of the logits; convolutions and fully connected
+/// layers computed at `precision` (models/baseline_cnn.h).
+Classifier cnn_classifier(const std::string& name, const models::BaselineCnnConfig& config,
+                          nn::Precision precision = nn::Precision::kFloat32);
 
 /// Labelled images [B, C, S, S] float and labels [B] for the examples `ids` of a step, drawn with the
 /// step's generator `gen` (placement, distortion).
 using LabelledBatchSource =
     std::function<std::pair<torch::Tensor, torch::Tensor>(const torch::Tensor& ids, at::Generator& gen)>;
 
+/// A held-out evaluation of the classifier being trained (e.g. accuracy on a fixed test set), run by
+/// the loop at epoch ends; its record's "accuracy" is what LoopOptions::target_accuracy checks.
+using ClassifierEvaluator = std::function<Evaluation(Classifier&, std::ostream* progress)>;
+
 class ClassifierTask : public Task {
  public:
-  /// `make` builds the classifier (called by the loop after seeding); `epoch_size` examples per epoch,
-  /// visited in a shuffled order (shuffle) or as a stream; `data_config` fixes the source for resume.
-  ClassifierTask(std::function<Classifier()> make, int64_t epoch_size, bool shuffle, LabelledBatchSource source,
-                 nlohmann::json data_config);
+  /// `make` builds the classifier at the loop's precision (called by the loop after seeding);
+  /// `epoch_size` examples per epoch, visited in a shuffled order (shuffle) or as a stream;
+  /// `data_config` fixes the source for resume; `evaluator` (may be empty: nothing to evaluate) is the
+  /// end-of-epoch evaluation.
+  ClassifierTask(std::function<Classifier(nn::Precision)> make, int64_t epoch_size, bool shuffle,
+                 LabelledBatchSource source, nlohmann::json data_config, ClassifierEvaluator evaluator = {});
 
   std::string name() const override { return classifier_.name.empty() ? "classifier" : classifier_.name; }
   std::shared_ptr<torch::nn::Module> build_model(nn::Precision precision) override;
@@ -59,17 +71,19 @@ class ClassifierTask : public Task {
   bool shuffle() const override { return shuffle_; }
   Batch batch(const torch::Tensor& ids, at::Generator& gen) const override;
   TaskLoss loss(const Batch& rows) override { return classifier_.loss(rows[0], rows[1]); }
+  std::optional<Evaluation> evaluate(std::ostream* progress) override;
 
   /// The classifier the loop trained (valid after build_model).
   Classifier& classifier() { return classifier_; }
 
  private:
-  std::function<Classifier()> make_;
+  std::function<Classifier(nn::Precision)> make_;
   Classifier classifier_;
   int64_t epoch_size_;
   bool shuffle_;
   LabelledBatchSource source_;
   nlohmann::json data_config_;
+  ClassifierEvaluator evaluator_;
 };
 
 /// Accuracy of `c` on a uint8 image set ([N, S, S]) in eval mode, in batches; a progress bar on

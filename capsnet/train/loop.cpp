@@ -149,11 +149,15 @@ void LoopOptions::validate() const {
   if (checkpoint_every < 0) fail(fmt::format("checkpoint_every must be >= 0, got {}", checkpoint_every));
   if (log_every <= 0) fail(fmt::format("log_every must be positive, got {}", log_every));
   if (!(max_seconds >= 0)) fail(fmt::format("max_seconds must be >= 0, got {}", max_seconds));
+  if (!(target_accuracy >= 0 && target_accuracy <= 1))
+    fail(fmt::format("target_accuracy must be in [0, 1] (0 = none), got {}", target_accuracy));
+  if (target_accuracy > 0 && !evaluate_each_epoch)
+    fail("target_accuracy needs evaluate_each_epoch: the target is checked at every epoch's evaluation");
   if (out_dir.empty()) fail("out_dir must not be empty");
 }
 
 nlohmann::json LoopOptions::to_json() const {
-  return {{"epochs", epochs},
+  nlohmann::json j = {{"epochs", epochs},
           {"max_steps", max_steps},
           {"batch_size", batch_size},
           {"lr", lr},
@@ -164,6 +168,8 @@ nlohmann::json LoopOptions::to_json() const {
           {"checkpoint_every", checkpoint_every},
           {"precision", nn::precision_name(precision)},
           {"out_dir", out_dir}};
+  if (target_accuracy > 0) j["target_accuracy"] = target_accuracy;
+  return j;
 }
 
 LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, std::shared_ptr<ProcessGroup> group) {
@@ -410,10 +416,24 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
           record.update(e->record);
           metrics.write(record);
           line += " | " + e->summary;
+          const auto acc = e->record.find("accuracy");
+          result.target_reached = options.target_accuracy > 0 && acc != e->record.end() && acc->is_number() &&
+                                  acc->get<double>() >= options.target_accuracy;
           result.evaluation = std::move(e);
         }
       }
       log << line << '\n' << std::flush;
+      if (group && options.target_accuracy > 0) {
+        // Only rank 0 evaluates; every rank must stop at the same step.
+        std::vector<torch::Tensor> flag{torch::tensor({result.target_reached ? 1.0 : 0.0}, torch::kFloat64)};
+        group->allreduce_sum(flag);
+        result.target_reached = flag[0].item<double>() > 0;
+      }
+    }
+    if (result.target_reached && step < total_steps) {
+      log << fmt::format("{}: stopping after step {} of {}: the target accuracy {:.2f}% is reached\n", task.name(),
+                         step, total_steps, 100 * options.target_accuracy);
+      break;
     }
     if (result.out_of_time) {
       log << fmt::format("{}: stopping after step {} of {}: the time budget ({:.0f} s) is spent\n", task.name(), step,
@@ -424,8 +444,13 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
   result.end_step = step;
   result.seconds = run_seconds;
   result.images_per_second = run_seconds > 0 ? result.images / run_seconds : 0;
-  metrics.write(
-      {{"event", "end"}, {"step", step}, {"seconds", run_seconds}, {"images_per_second", result.images_per_second}});
+  nlohmann::json end = {
+      {"event", "end"}, {"step", step}, {"seconds", run_seconds}, {"images_per_second", result.images_per_second}};
+  if (options.target_accuracy > 0) {
+    end["target_accuracy"] = options.target_accuracy;
+    end["target_reached"] = result.target_reached;
+  }
+  metrics.write(end);
   return result;
 }
 

@@ -136,6 +136,9 @@ struct LoopOptions {
   bool progress = true;
   nn::Precision precision = nn::Precision::kFloat32;
   double max_seconds = 0;  // > 0: stop after the first step that ends past this much training time
+  /// > 0: stop after the first end-of-epoch evaluation whose "accuracy" reaches it (a fraction in
+  /// (0, 1]; "train until the model reaches 99%" protocols). Not a resume key: a resume may change it.
+  double target_accuracy = 0;
 
   /// Throws std::invalid_argument naming the first bad option (by field name).
   void validate() const;
@@ -157,6 +160,7 @@ struct LoopResult {
   std::optional<Evaluation> evaluation;  // the last one
   std::string checkpoint;         // the last checkpoint written
   bool out_of_time = false;       // stopped by max_seconds
+  bool target_reached = false;    // stopped by target_accuracy
 };
 
 /// Trains `task` with Adam. Log lines go to `log` (rank 0 only), the progress bar to stderr.
