@@ -5,6 +5,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "capsnet/ops/routing.h"
 
@@ -72,7 +73,7 @@ torch::Tensor init_weight(int64_t groups, const LayerShape& s, double std) {
 
 // u: [B, T_in, A_in, H, W]; weight: [G, T_out, A_out, A_in, k, k] -> u_hat: [B, T_in, T_out, A_out, H', W'].
 torch::Tensor fast_predictions(const torch::Tensor& u, const torch::Tensor& weight, const torch::Tensor& bias,
-                               const detail::CapsuleConvGeometry& g) {
+                               const detail::CapsuleConvGeometry& g, Precision precision) {
   const int64_t B = u.size(0), T_in = u.size(1), A_in = u.size(2), H = u.size(3), W = u.size(4);
   const int64_t G = weight.size(0), T_out = weight.size(1), A_out = weight.size(2), k = weight.size(4);
   const bool per_type = G == T_in && G > 1;
@@ -80,14 +81,22 @@ torch::Tensor fast_predictions(const torch::Tensor& u, const torch::Tensor& weig
   // child types into the batch instead.
   auto x = per_type ? u.reshape({B, T_in * A_in, H, W}) : u.reshape({B * T_in, A_in, H, W});
   const int64_t groups = per_type ? G : 1;
-  torch::Tensor y;  // [B, T_in * T_out * A_out, H', W'] or [B * T_in, T_out * A_out, H', W']
+  torch::Tensor y;  // [B, T_in * T_out * A_out, H', W'] or [B * T_in, T_out * A_out, H', W'], master dtype
   if (!g.transposed) {
     auto w = weight.reshape({groups * T_out * A_out, A_in, k, k});
-    y = torch::conv2d(x, w, {}, g.stride, g.padding, /*dilation=*/1, groups);
+    if (precision == Precision::kFloat32) {
+      y = torch::conv2d(x, w, {}, g.stride, g.padding, /*dilation=*/1, groups);
+    } else {
+      // Only the convolution runs in bf16, on copies cast per call from the fp32 master weights (autograd
+      // returns fp32 gradients through the casts); its output goes back before the bias and the routing.
+      const auto dtype = compute_dtype(precision);
+      y = torch::conv2d(x.to(dtype), w.to(dtype), {}, g.stride, g.padding, /*dilation=*/1, groups)
+              .to(weight.scalar_type());
+    }
   } else {
     // conv_transpose2d wants [in_channels, out_channels / groups, k, k].
     auto w = weight.permute({0, 3, 1, 2, 4, 5}).reshape({groups * A_in, T_out * A_out, k, k});
-    y = torch::conv_transpose2d(x, w, {}, g.stride, g.padding, g.output_padding, groups, /*dilation=*/1);
+    y = conv_transpose2d_at(x, w, {}, g.stride, g.padding, g.output_padding, groups, precision);
   }
   auto u_hat = y.view({B, T_in, T_out, A_out, y.size(2), y.size(3)});
   if (bias.defined()) u_hat = u_hat + bias.view({1, 1, T_out, A_out, 1, 1});
@@ -95,6 +104,35 @@ torch::Tensor fast_predictions(const torch::Tensor& u, const torch::Tensor& weig
 }
 
 }  // namespace
+
+torch::Tensor conv_transpose2d_at(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                  torch::ExpandingArray<2> stride, torch::ExpandingArray<2> padding,
+                                  torch::ExpandingArray<2> output_padding, int64_t groups, Precision precision) {
+  if (precision == Precision::kFloat32)
+    return torch::conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, /*dilation=*/1);
+  namespace F = torch::nn::functional;
+  TORCH_CHECK(x.dim() == 4 && weight.dim() == 4 && groups > 0 && x.size(1) == weight.size(0) &&
+                  weight.size(0) % groups == 0,
+              "conv_transpose2d_at: x ", x.sizes(), " and weight ", weight.sizes(), " do not match (groups ", groups, ")");
+  const int64_t B = x.size(0), H = x.size(2), W = x.size(3), G = groups, I = x.size(1) / G;
+  const int64_t C = weight.size(1), k0 = weight.size(2), k1 = weight.size(3);
+  const int64_t Ho = (H - 1) * stride->at(0) - 2 * padding->at(0) + k0 + output_padding->at(0);
+  const int64_t Wo = (W - 1) * stride->at(1) - 2 * padding->at(1) + k1 + output_padding->at(1);
+  // cols[g, (c, ky, kx), (b, y, x)] = sum_i weight[g I + i, c, ky, kx] x[b, g I + i, y, x]: the GEMM, in
+  // bf16. The batch is in its columns so that the weight gradient is one product over every example and
+  // position (rounded once), not a bf16 sum of per-example products.
+  const auto dtype = compute_dtype(precision);
+  const int64_t M = C * k0 * k1, N = B * H * W;
+  auto w = weight.to(dtype).reshape({G, I, M}).transpose(1, 2);                                 // [G, M, I]
+  auto xs = x.to(dtype).reshape({B, G, I, H * W}).permute({1, 2, 0, 3}).reshape({G, I, N});  // [G, I, B H W]
+  auto cols = torch::bmm(w, xs).view({G, M, B, H * W}).permute({2, 0, 1, 3}).reshape({B, G * M, H * W});
+  // Overlap-add of every input pixel's k0 x k1 patch at stride s, cropped by the padding (col2im): sums,
+  // so in the master dtype. Every output side gives exactly H x W patch positions (output_padding < s).
+  auto y = F::fold(cols.to(weight.scalar_type()),
+                   F::FoldFuncOptions({Ho, Wo}, {k0, k1}).stride(stride).padding(padding));  // [B, G C, Ho, Wo]
+  if (bias.defined()) y = y + bias.view({1, -1, 1, 1});
+  return y;
+}
 
 torch::Tensor local_routing(const torch::Tensor& u_hat, const RoutingOptions& routing) {
   if (!u_hat.defined() || u_hat.dim() != 6)
@@ -203,13 +241,13 @@ void CapsuleConv2dImpl::check_input(const torch::Tensor& u) const {
                  geometry());
 }
 
-torch::Tensor CapsuleConv2dImpl::predictions(const torch::Tensor& u) {
+torch::Tensor CapsuleConv2dImpl::predictions(const torch::Tensor& u, Precision precision) {
   check_input(u);
-  return fast_predictions(u, weight, bias, geometry());
+  return fast_predictions(u, weight, bias, geometry(), precision);
 }
 
-torch::Tensor CapsuleConv2dImpl::forward(const torch::Tensor& u) {
-  return local_routing(predictions(u), options.routing());
+torch::Tensor CapsuleConv2dImpl::forward(const torch::Tensor& u, Precision precision) {
+  return local_routing(predictions(u, precision), options.routing());
 }
 
 // ---- CapsuleConvTranspose2d ----------------------------------------------------------------------
@@ -239,13 +277,13 @@ void CapsuleConvTranspose2dImpl::check_input(const torch::Tensor& u) const {
                  geometry());
 }
 
-torch::Tensor CapsuleConvTranspose2dImpl::predictions(const torch::Tensor& u) {
+torch::Tensor CapsuleConvTranspose2dImpl::predictions(const torch::Tensor& u, Precision precision) {
   check_input(u);
-  return fast_predictions(u, weight, bias, geometry());
+  return fast_predictions(u, weight, bias, geometry(), precision);
 }
 
-torch::Tensor CapsuleConvTranspose2dImpl::forward(const torch::Tensor& u) {
-  return local_routing(predictions(u), options.routing());
+torch::Tensor CapsuleConvTranspose2dImpl::forward(const torch::Tensor& u, Precision precision) {
+  return local_routing(predictions(u, precision), options.routing());
 }
 
 }  // namespace capsnet::nn

@@ -20,6 +20,7 @@
 #include <torch/torch.h>
 
 #include "capsnet/nn/functional.h"
+#include "capsnet/nn/precision.h"
 
 namespace capsnet::nn {
 
@@ -97,9 +98,11 @@ class CapsuleConv2dImpl : public torch::nn::Cloneable<CapsuleConv2dImpl> {
   explicit CapsuleConv2dImpl(const CapsuleConv2dOptions& options);
   void reset() override;
   /// Prediction vectors (one grouped convolution). u: [B, T_in, A_in, H, W] -> [B, T_in, T_out, A_out, H', W'].
-  torch::Tensor predictions(const torch::Tensor& u);
+  /// `precision` is the convolution's (bf16: input and weights cast per call); the predictions come back
+  /// in the weights' dtype, before the bias, so routing never sees bf16.
+  torch::Tensor predictions(const torch::Tensor& u, Precision precision = Precision::kFloat32);
   /// Predictions + locally-constrained dynamic routing. u: [B, T_in, A_in, H, W] -> v: [B, T_out, A_out, H', W'].
-  torch::Tensor forward(const torch::Tensor& u);
+  torch::Tensor forward(const torch::Tensor& u, Precision precision = Precision::kFloat32);
   /// Throws std::invalid_argument naming the problem unless u is [B, T_in, A_in, H, W], floating
   /// point and large enough for the kernel.
   void check_input(const torch::Tensor& u) const;
@@ -117,10 +120,11 @@ class CapsuleConvTranspose2dImpl : public torch::nn::Cloneable<CapsuleConvTransp
  public:
   explicit CapsuleConvTranspose2dImpl(const CapsuleConvTranspose2dOptions& options);
   void reset() override;
-  /// u: [B, T_in, A_in, H, W] -> u_hat: [B, T_in, T_out, A_out, H', W'] (one grouped transposed convolution).
-  torch::Tensor predictions(const torch::Tensor& u);
+  /// u: [B, T_in, A_in, H, W] -> u_hat: [B, T_in, T_out, A_out, H', W'] (one grouped transposed convolution,
+  /// in `precision`; u_hat in the weights' dtype as for CapsuleConv2d).
+  torch::Tensor predictions(const torch::Tensor& u, Precision precision = Precision::kFloat32);
   /// u: [B, T_in, A_in, H, W] -> v: [B, T_out, A_out, H', W'].
-  torch::Tensor forward(const torch::Tensor& u);
+  torch::Tensor forward(const torch::Tensor& u, Precision precision = Precision::kFloat32);
   /// Throws std::invalid_argument unless u is [B, T_in, A_in, H, W] floating point.
   void check_input(const torch::Tensor& u) const;
   detail::CapsuleConvGeometry geometry() const;
@@ -129,6 +133,17 @@ class CapsuleConvTranspose2dImpl : public torch::nn::Cloneable<CapsuleConvTransp
   torch::Tensor weight, bias;
 };
 TORCH_MODULE(CapsuleConvTranspose2d);
+
+/// conv_transpose2d(x, weight, bias) (dilation 1) with its GEMM in `precision`, returned in weight's dtype.
+/// x: [B, C_in, H, W]; weight: [C_in, C_out / groups, k0, k1]; bias: [C_out] or undefined
+///   -> [B, C_out, H', W'], H' = (H - 1) s - 2p + k0 + output_padding.
+/// fp32: ATen's transposed convolution. bf16: weight^T x as a bf16 matrix product on copies cast per call
+/// (fp32 gradients reach the fp32 weights through the casts), then the overlap-add of the patches (col2im,
+/// a sum) and the bias in the master dtype. Why not ATen's in bf16: LibTorch 1.13's oneDNN bf16
+/// transposed convolution refuses these shapes (its shape check reads the weight as a forward one's).
+torch::Tensor conv_transpose2d_at(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                  torch::ExpandingArray<2> stride, torch::ExpandingArray<2> padding,
+                                  torch::ExpandingArray<2> output_padding, int64_t groups, Precision precision);
 
 /// Locally-constrained routing of predictions at every position.
 /// u_hat: [B, T_in, T_out, A_out, H, W] -> v: [B, T_out, A_out, H, W]. routing.fused:

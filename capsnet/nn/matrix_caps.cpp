@@ -62,17 +62,20 @@ void PrimaryMatrixCapsImpl::reset() {
   activation = register_module("activation", conv(options.capsule_types()));
 }
 
-MatrixCaps PrimaryMatrixCapsImpl::forward(const torch::Tensor& x) {
+MatrixCaps PrimaryMatrixCapsImpl::forward(const torch::Tensor& x, Precision precision) {
   if (!x.defined() || x.dim() != 4 || x.size(1) != options.in_channels())
     throw std::invalid_argument(fmt::format("PrimaryMatrixCaps: x must be [N, {}, H, W], got {}",
                                             options.in_channels(),
                                             shape(x)));
   const auto T = options.capsule_types();
-  auto p = pose->forward(x);  // [N, T * 16, H', W'], channel = type * 16 + element
+  // Only the convolutions may run in bf16: their outputs go back to the master dtype at once.
+  const auto master = pose->weight.scalar_type();
+  auto p = conv2d_at(pose, x, precision).to(master);  // [N, T * 16, H', W'], channel = type * 16 + element
   const auto N = p.size(0), H = p.size(2), W = p.size(3);
   // Pose elements must go last before any flattening (a plain view would mix positions).
   auto poses = p.view({N, T, kPoseSize, H, W}).permute({0, 3, 4, 1, 2}).contiguous();  // [N, H', W', T, 16]
-  auto acts = torch::sigmoid(activation->forward(x)).permute({0, 2, 3, 1}).contiguous();  // [N, H', W', T]
+  auto a = torch::sigmoid(conv2d_at(activation, x, precision).to(master));  // [N, T, H', W']
+  auto acts = a.permute({0, 2, 3, 1}).contiguous();                            // [N, H', W', T]
   return {poses, acts};
 }
 

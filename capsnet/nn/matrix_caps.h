@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "capsnet/nn/em_routing.h"
+#include "capsnet/nn/precision.h"
 
 namespace capsnet::nn {
 
@@ -31,11 +32,13 @@ struct PrimaryMatrixCapsOptions {
 
 /// PrimaryCaps: one convolution with T * 16 pose channels and T activation channels (logistic).
 /// x: [N, in_channels, H, W] -> MatrixCaps with poses [N, H', W', T, 16], activations [N, H', W', T].
+/// `precision` is that of the two convolutions only; poses and activations come back in the weights'
+/// dtype (fp32), so votes and EM routing never see bf16.
 class PrimaryMatrixCapsImpl : public torch::nn::Cloneable<PrimaryMatrixCapsImpl> {
  public:
   explicit PrimaryMatrixCapsImpl(const PrimaryMatrixCapsOptions& options);
   void reset() override;
-  MatrixCaps forward(const torch::Tensor& x);
+  MatrixCaps forward(const torch::Tensor& x, Precision precision = Precision::kFloat32);
 
   PrimaryMatrixCapsOptions options;
   torch::nn::Conv2d pose{nullptr}, activation{nullptr};
