@@ -110,10 +110,16 @@ Subcommand add_em(CLI::App& root) {
                   "schedule still spans --steps)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  add_training_precision_flag(*app, o.precision);
+  app->get_option("--precision")
+      ->description(
+          "Compute precision of the convolutions (Conv1, PrimaryCaps): fp32, bf16 (AVX512_BF16/AMX CPUs; fp32 "
+          "weights; the 4x4 votes, EM routing and the spread loss stay fp32) or auto (bf16 where the CPU has it)");
   add_loop_flags(*app, f->loop);
 
   return {app, [f]() {
             auto& o = f->o;
+            note_precision_choice(o.precision);
             o.progress = !f->loop.no_progress;
             o.resume = f->loop.resume;
             o.max_seconds = 60 * f->max_minutes;

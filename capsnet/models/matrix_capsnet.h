@@ -12,6 +12,7 @@
 
 #include "capsnet/nn/em_routing.h"
 #include "capsnet/nn/matrix_caps.h"
+#include "capsnet/nn/precision.h"
 
 namespace capsnet::models {
 
@@ -97,12 +98,19 @@ class MatrixCapsNetImpl : public torch::nn::Cloneable<MatrixCapsNetImpl> {
   void reset() override;
   /// images: [N, C, S, S] float in [0, 1].
   MatrixCapsNetOutput forward(const torch::Tensor& images);
+  /// Precision of the convolutions (Conv1 and PrimaryCaps' two); votes, EM routing and the spread loss
+  /// stay fp32 whatever it is. Runtime only: weights and checkpoints stay fp32.
+  void set_precision(nn::Precision precision) { precision_ = precision; }
+  nn::Precision precision() const { return precision_; }
 
   MatrixCapsNetConfig config;
   torch::nn::Conv2d conv1{nullptr};
   nn::PrimaryMatrixCaps primary{nullptr};
   nn::ConvMatrixCaps conv_caps1{nullptr}, conv_caps2{nullptr};
   nn::ClassMatrixCaps class_caps{nullptr};
+
+ private:
+  nn::Precision precision_ = nn::Precision::kFloat32;
 };
 TORCH_MODULE(MatrixCapsNet);
 

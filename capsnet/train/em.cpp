@@ -38,7 +38,8 @@ nlohmann::json EmTrainOptions::to_json() const {
           {"lr", lr},                     {"weight_decay", weight_decay}, {"margin_start", margin_start},
           {"margin_end", margin_end},     {"seed", seed},           {"train_size", train_size},
           {"test_size", test_size},       {"eval_batch_size", eval_batch_size}, {"log_every", log_every},
-          {"checkpoint_every", checkpoint_every}, {"max_seconds", max_seconds}};
+          {"checkpoint_every", checkpoint_every}, {"max_seconds", max_seconds},
+          {"precision", nn::precision_name(nn::parse_precision(precision))}};
 }
 
 torch::Tensor to_input(const torch::Tensor& images) {
@@ -85,9 +86,8 @@ class EmTask : public Task {
 
   std::string name() const override { return "em"; }
   std::shared_ptr<torch::nn::Module> build_model(nn::Precision precision) override {
-    if (precision != nn::Precision::kFloat32)
-      throw std::invalid_argument("em: the matrix-capsule network computes in fp32 only (precision)");
     model_ = models::MatrixCapsNet(o_.model);
+    model_->set_precision(precision);
     return model_.ptr();
   }
   nlohmann::json model_config() const override { return o_.model.to_json(); }
@@ -144,12 +144,12 @@ class EmTask : public Task {
   }
 
   EmEval last_;
+  models::MatrixCapsNet model_{nullptr};
 
  private:
   const EmTrainOptions& o_;
   const data::ImageSet& train_;
   const data::ImageSet* test_;
-  models::MatrixCapsNet model_{nullptr};
   double margin_ = 0;
 };
 
@@ -171,6 +171,7 @@ LoopOptions EmTrainOptions::loop_options() const {
   l.resume = resume;
   l.progress = progress;
   l.max_seconds = max_seconds;
+  l.precision = nn::parse_precision(precision);
   return l;
 }
 
@@ -185,6 +186,7 @@ EmTrainResult train_em(const EmTrainOptions& options, const data::ImageSet& trai
   EmTask task(options, train_set, test_set);
   auto r = run(task, options.loop_options(), log, std::move(group));
   EmTrainResult result;
+  result.model = task.model_;
   result.steps = r.end_step;
   result.images_seen = r.images;
   result.seconds = r.seconds;

@@ -34,8 +34,10 @@ struct EmTrainOptions {
                                 // the margin schedule still spans `steps`, so it stops short of margin_end
   std::string resume;           // checkpoint to continue from exactly ("" = start fresh)
   bool progress = true;
+  std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of the convolutions (routing stays fp32)
 
-  /// The loop's share of these options (steps -> max_steps, no lr decay, evaluation at the end).
+  /// The loop's share of these options (steps -> max_steps, no lr decay, evaluation at the end,
+  /// precision resolved: "auto" becomes bf16 or fp32 on this CPU).
   LoopOptions loop_options() const;
 
   /// Throws std::invalid_argument naming the first bad option.
@@ -51,6 +53,7 @@ struct EmEval {
 };
 
 struct EmTrainResult {
+  models::MatrixCapsNet model{nullptr};  // as trained, in the run's precision
   int64_t steps = 0, images_seen = 0;
   double seconds = 0, images_per_second = 0;
   std::vector<double> losses;  // spread loss of every step
