@@ -128,11 +128,18 @@ Subcommand add_segcaps(CLI::App& root) {
                 "Route with the composite ATen path instead of the fused operator (same math)");
   app->add_option("--checkpoint-every", f->o.checkpoint_every, "Steps between checkpoints (0 = at the end)")
       ->capture_default_str();
+  add_training_precision_flag(*app, f->o.precision);
+  app->get_option("--precision")
+      ->description(
+          "Compute precision of the convolutions (stem, every capsule layer's (transposed) convolution, the "
+          "decoder's 1x1 convolutions): fp32, bf16 (AVX512_BF16/AMX CPUs; fp32 weights; routing, squash and the "
+          "losses stay fp32) or auto (bf16 where the CPU has it)");
   add_loop_flags(*app, f->loop);
 
   return {
       app, [f]() {
         auto& o = f->o;
+        note_precision_choice(o.precision);
         o.progress = !f->loop.no_progress;
         o.resume = f->loop.resume;
         o.max_seconds = 60 * f->max_minutes;
@@ -182,6 +189,7 @@ Subcommand add_segcaps(CLI::App& root) {
                  return n;
                }()},
               {"routing", f->composite_routing ? "composite" : "fused"},
+              {"precision", nn::precision_name(o.loop_options().precision)},
               {"pos_weight", f->pos_weight},
               {"recon_weight", o.model.recon_weight},
               {"data",

@@ -114,15 +114,16 @@ SegCapsOutput SegCapsImpl::forward(const torch::Tensor& images, const torch::Ten
     throw std::invalid_argument(fmt::format("SegCaps: images must be [B, 1, {}, {}], got {}", S, S,
                                             images.defined() ? c10::str(images.sizes()) : "undefined"));
   const int64_t B = images.size(0);
-  auto x = torch::relu(stem->forward(images));                     // [B, C, S, S]
+  const auto pr = precision_;  // of the convolutions; every layer hands back fp32
+  auto x = torch::relu(nn::conv2d_at(stem, images, pr).to(stem->weight.scalar_type()));  // [B, C, S, S]
   auto stem_caps = x.view({B, 1, config.stem_channels, S, S});     // [B, 1, C, S, S]
-  auto p = primary->forward(stem_caps);                            // [B, P, Ap, S/2, S/2]
-  auto d1 = down1->forward(p);                                     // [B, T, La, S/2, S/2]
-  auto d2 = bottom->forward(down2->forward(d1));                   // [B, T, Ha, S/4, S/4]
-  auto u1 = up1_conv->forward(torch::cat({up1->forward(d2), d1}, 1));  // [B, T, La, S/2, S/2]
-  auto u2 = torch::cat({up2->forward(u1), stem_caps}, 1);          // [B, P + 1, C, S, S]
+  auto p = primary->forward(stem_caps, pr);                        // [B, P, Ap, S/2, S/2]
+  auto d1 = down1->forward(p, pr);                                 // [B, T, La, S/2, S/2]
+  auto d2 = bottom->forward(down2->forward(d1, pr), pr);           // [B, T, Ha, S/4, S/4]
+  auto u1 = up1_conv->forward(torch::cat({up1->forward(d2, pr), d1}, 1), pr);  // [B, T, La, S/2, S/2]
+  auto u2 = torch::cat({up2->forward(u1, pr), stem_caps}, 1);      // [B, P + 1, C, S, S]
   SegCapsOutput out;
-  out.capsules = seg->forward(u2);                                 // [B, 1, A_seg, S, S]
+  out.capsules = seg->forward(u2, pr);                             // [B, 1, A_seg, S, S]
   out.probability = capsule_length(out.capsules, /*dim=*/2);       // [B, 1, S, S]
   if (masks.defined() && decoder) out.reconstruction = decode(out.capsules, masks);  // [B, 1, S, S]
   return out;
@@ -142,8 +143,18 @@ torch::Tensor SegCapsImpl::decode(const torch::Tensor& capsules, const torch::Te
     throw std::invalid_argument(fmt::format("SegCaps::decode: masks must be [{}, 1, {}, {}], got {}", B, S, S,
                                             masks.defined() ? c10::str(masks.sizes()) : "undefined"));
   // Only the object's capsules reach the decoder: the ground truth masks every other pixel to 0.
-  auto masked = capsules.select(1, 0) * masks.to(capsules.dtype());  // [B, A_seg, S, S]
-  return decoder->forward(masked);                                      // [B, 1, S, S]
+  auto h = capsules.select(1, 0) * masks.to(capsules.dtype());  // [B, A_seg, S, S]
+  // The Sequential layer by layer, so that its 1x1 convolutions run in the compute precision (output
+  // back in the master dtype at once: ReLU, sigmoid and the MSE stay fp32); in fp32 this is forward().
+  for (auto& layer : *decoder) {
+    if (auto impl = std::dynamic_pointer_cast<torch::nn::Conv2dImpl>(layer.ptr())) {
+      torch::nn::Conv2d conv(impl);
+      h = nn::conv2d_at(conv, h, precision_).to(impl->weight.scalar_type());
+    } else {
+      h = layer.forward(h);
+    }
+  }
+  return h;  // [B, 1, S, S]
 }
 
 SegCapsLoss SegCapsImpl::loss_terms(const SegCapsOutput& out, const torch::Tensor& masks,

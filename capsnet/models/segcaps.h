@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "capsnet/nn/capsule_conv.h"
+#include "capsnet/nn/precision.h"
 
 namespace capsnet::models {
 
@@ -123,12 +124,20 @@ class SegCapsImpl : public torch::nn::Cloneable<SegCapsImpl> {
   torch::Tensor loss(const SegCapsOutput& out, const torch::Tensor& masks, const torch::Tensor& images = {}) const;
   /// Fused routing operator (default) or the composite ATen path in every capsule layer.
   void set_fused_routing(bool fused);
+  /// Precision of the convolutions: the stem, every capsule layer's (transposed) convolution and the
+  /// decoder's 1x1 convolutions. Routing, squash, capsule lengths and the losses stay fp32, each
+  /// convolution's output going back to fp32 at once. Runtime only: weights and checkpoints stay fp32.
+  void set_precision(nn::Precision precision) { precision_ = precision; }
+  nn::Precision precision() const { return precision_; }
 
   SegCapsConfig config;
   torch::nn::Conv2d stem{nullptr};
   nn::CapsuleConv2d primary{nullptr}, down1{nullptr}, down2{nullptr}, bottom{nullptr}, up1_conv{nullptr}, seg{nullptr};
   nn::CapsuleConvTranspose2d up1{nullptr}, up2{nullptr};
   torch::nn::Sequential decoder{nullptr};  // registered only when recon_weight > 0
+
+ private:
+  nn::Precision precision_ = nn::Precision::kFloat32;
 };
 TORCH_MODULE(SegCaps);
 

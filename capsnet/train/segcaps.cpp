@@ -85,10 +85,9 @@ class SegCapsTask : public Task {
 
   std::string name() const override { return "segcaps"; }
   std::shared_ptr<torch::nn::Module> build_model(nn::Precision precision) override {
-    if (precision != nn::Precision::kFloat32)
-      throw std::invalid_argument("segcaps: the capsule U-net computes in fp32 only (precision)");
     model_ = models::SegCaps(o_.model);
     model_->set_fused_routing(o_.fused_routing);
+    model_->set_precision(precision);
     return model_.ptr();
   }
   nlohmann::json model_config() const override { return o_.model.to_json(); }
@@ -158,6 +157,7 @@ LoopOptions SegCapsTrainOptions::loop_options() const {
   l.resume = resume;
   l.progress = progress;
   l.max_seconds = max_seconds;
+  l.precision = nn::parse_precision(precision);
   return l;
 }
 
