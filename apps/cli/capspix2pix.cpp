@@ -86,10 +86,17 @@ Subcommand add_capspix2pix(CLI::App& root) {
                   "(and the same for the real images, the ceiling)");
   app->add_flag("--composite-routing", f->composite_routing,
                 "Route with the composite ATen path instead of the fused operator (same math)");
+  add_training_precision_flag(*app, f->o.precision);
+  app->get_option("--precision")
+      ->description(
+          "Compute precision of the generator's and the discriminator's convolutions (plain, transposed, capsule "
+          "layers'): fp32, bf16 (AVX512_BF16/AMX CPUs; fp32 weights; routing, BatchNorm and the losses stay fp32) "
+          "or auto (bf16 where the CPU has it). --compare-with and --classifier models run in fp32");
   add_loop_flags(*app, f->loop);
 
   return {app, [f]() {
             auto& o = f->o;
+            note_precision_choice(o.precision);
             o.progress = !f->loop.no_progress;
             o.resume = f->loop.resume;
             o.max_seconds = 60 * f->max_minutes;
@@ -130,6 +137,7 @@ Subcommand add_capspix2pix(CLI::App& root) {
                   {"generator_parameters", count(model->generator_parameters())},
                   {"discriminator_parameters", count(model->discriminator_parameters())},
                   {"routing", f->composite_routing ? "composite" : "fused"},
+                  {"precision", nn::precision_name(o.loop_options().precision)},
                   {"data",
                    {{"dataset", f->data.dataset},
                     {"dir", f->data.resolved()},

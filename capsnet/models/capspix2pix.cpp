@@ -17,6 +17,24 @@ torch::nn::BatchNorm2d batch_norm(int64_t channels) {
   return torch::nn::BatchNorm2d(torch::nn::BatchNorm2dOptions(channels).track_running_stats(false));
 }
 
+// A convolution in `precision` with its output back in the master dtype: what every layer here does
+// (BatchNorm, the activations and the losses stay fp32).
+torch::Tensor conv_at(torch::nn::Conv2d& conv, const torch::Tensor& x, nn::Precision precision) {
+  return nn::conv2d_at(conv, x, precision).to(conv->weight.scalar_type());
+}
+
+// The same for a transposed convolution (dilation 1 here), whose bf16 path is nn::conv_transpose2d_at's.
+torch::Tensor conv_at(torch::nn::ConvTranspose2d& deconv, const torch::Tensor& x, nn::Precision precision) {
+  if (precision == nn::Precision::kFloat32) return deconv->forward(x);
+  const auto& o = deconv->options;
+  // padding is c10::variant in LibTorch 1.13 and std::variant in 2.x: `get` found by ADL serves both.
+  using std::get;
+  const torch::ExpandingArray<2> padding = get<0>(o.padding());
+  TORCH_CHECK(o.dilation()->at(0) == 1 && o.dilation()->at(1) == 1, "conv_at: transposed convolutions take dilation 1");
+  return nn::conv_transpose2d_at(x, deconv->weight, deconv->bias, o.stride(), padding, o.output_padding(), o.groups(),
+                                 precision);
+}
+
 void check_labels(const Pix2pixConfig& c, const torch::Tensor& labels, const char* who) {
   const int64_t S = c.image_size;
   if (!labels.defined() || labels.dim() != 4 || labels.size(1) != c.label_classes || labels.size(2) != S ||
@@ -110,18 +128,19 @@ void CapsGeneratorImpl::reset() {
 torch::Tensor CapsGeneratorImpl::features(const torch::Tensor& labels, const torch::Tensor& z) {
   check_labels(config, labels, "CapsGenerator");
   const int64_t B = labels.size(0), S = config.image_size;
-  auto x = torch::relu(stem->forward(condition_with_noise(labels, z)));  // [B, C, S, S]
-  auto stem_caps = x.view({B, 1, config.stem_channels, S, S});           // [B, 1, C, S, S]
-  auto p = primary->forward(stem_caps);                                  // [B, P, Ap, S/2, S/2]
-  auto d = bottom->forward(down->forward(p));                            // [B, T, A, S/4, S/4]
-  auto u1 = up1_conv->forward(torch::cat({up1->forward(d), p}, 1));      // [B, P, Ap, S/2, S/2]
-  auto u2 = torch::cat({up2->forward(u1), stem_caps}, 1);                // [B, 2, C, S, S]
-  return out->forward(u2);                                               // [B, 1, A_out, S, S]
+  const auto pr = precision_;  // of the convolutions; every layer hands back fp32
+  auto x = torch::relu(conv_at(stem, condition_with_noise(labels, z), pr));  // [B, C, S, S]
+  auto stem_caps = x.view({B, 1, config.stem_channels, S, S});               // [B, 1, C, S, S]
+  auto p = primary->forward(stem_caps, pr);                                  // [B, P, Ap, S/2, S/2]
+  auto d = bottom->forward(down->forward(p, pr), pr);                        // [B, T, A, S/4, S/4]
+  auto u1 = up1_conv->forward(torch::cat({up1->forward(d, pr), p}, 1), pr);  // [B, P, Ap, S/2, S/2]
+  auto u2 = torch::cat({up2->forward(u1, pr), stem_caps}, 1);                // [B, 2, C, S, S]
+  return out->forward(u2, pr);                                               // [B, 1, A_out, S, S]
 }
 
 torch::Tensor CapsGeneratorImpl::forward(const torch::Tensor& labels, const torch::Tensor& z) {
-  auto v = features(labels, z);                          // [B, 1, A_out, S, S]
-  return torch::tanh(to_image->forward(v.select(1, 0)));  // [B, 1, S, S]
+  auto v = features(labels, z);                                     // [B, 1, A_out, S, S]
+  return torch::tanh(conv_at(to_image, v.select(1, 0), precision_));  // [B, 1, S, S]
 }
 
 void CapsGeneratorImpl::set_fused_routing(bool fused) {
@@ -158,14 +177,15 @@ void UnetGeneratorImpl::reset() {
 torch::Tensor UnetGeneratorImpl::forward(const torch::Tensor& labels, const torch::Tensor& z) {
   check_labels(config, labels, "UnetGenerator");
   auto lrelu = [](const torch::Tensor& t) { return torch::leaky_relu(t, 0.2); };
-  auto x1 = e1->forward(condition_with_noise(labels, z));   // [B, F, S/2, S/2]
-  auto x2 = n2->forward(e2->forward(lrelu(x1)));             // [B, 2F, S/4, S/4]
-  auto x3 = n3->forward(e3->forward(lrelu(x2)));             // [B, 4F, S/8, S/8]
-  auto x4 = e4->forward(lrelu(x3));                          // [B, 4F, S/16, S/16] (innermost: no norm)
-  auto y4 = m4->forward(d4->forward(torch::relu(x4)));       // [B, 4F, S/8, S/8]
-  auto y3 = m3->forward(d3->forward(torch::relu(torch::cat({y4, x3}, 1))));  // [B, 2F, S/4, S/4]
-  auto y2 = m2->forward(d2->forward(torch::relu(torch::cat({y3, x2}, 1))));  // [B, F, S/2, S/2]
-  return torch::tanh(d1->forward(torch::relu(torch::cat({y2, x1}, 1))));     // [B, 1, S, S]
+  const auto pr = precision_;
+  auto x1 = conv_at(e1, condition_with_noise(labels, z), pr);  // [B, F, S/2, S/2]
+  auto x2 = n2->forward(conv_at(e2, lrelu(x1), pr));            // [B, 2F, S/4, S/4]
+  auto x3 = n3->forward(conv_at(e3, lrelu(x2), pr));            // [B, 4F, S/8, S/8]
+  auto x4 = conv_at(e4, lrelu(x3), pr);                         // [B, 4F, S/16, S/16] (innermost: no norm)
+  auto y4 = m4->forward(conv_at(d4, torch::relu(x4), pr));      // [B, 4F, S/8, S/8]
+  auto y3 = m3->forward(conv_at(d3, torch::relu(torch::cat({y4, x3}, 1)), pr));  // [B, 2F, S/4, S/4]
+  auto y2 = m2->forward(conv_at(d2, torch::relu(torch::cat({y3, x2}, 1)), pr));  // [B, F, S/2, S/2]
+  return torch::tanh(conv_at(d1, torch::relu(torch::cat({y2, x1}, 1)), pr));     // [B, 1, S, S]
 }
 
 // ---- PatchGAN discriminator ----
@@ -189,9 +209,10 @@ torch::Tensor PatchDiscriminatorImpl::forward(const torch::Tensor& labels, const
     throw std::invalid_argument(fmt::format("PatchDiscriminator: image must be [{}, 1, {}, {}], got {}",
                                             labels.size(0), S, S,
                                             image.defined() ? c10::str(image.sizes()) : "undefined"));
-  auto x = torch::leaky_relu(c1->forward(torch::cat({labels, image.to(labels.dtype())}, 1)), 0.2);  // [B, D, S/2, S/2]
-  x = torch::leaky_relu(n2->forward(c2->forward(x)), 0.2);  // [B, 2D, S/4, S/4]
-  return c3->forward(x);                                     // [B, 1, S/4, S/4]
+  const auto pr = precision_;
+  auto x = torch::leaky_relu(conv_at(c1, torch::cat({labels, image.to(labels.dtype())}, 1), pr), 0.2);  // [B, D, S/2, S/2]
+  x = torch::leaky_relu(n2->forward(conv_at(c2, x, pr)), 0.2);  // [B, 2D, S/4, S/4]
+  return conv_at(c3, x, pr);                                     // [B, 1, S/4, S/4]: fp32 logits for the BCE
 }
 
 // ---- the pair ----
@@ -208,6 +229,14 @@ void Pix2pixImpl::reset() {
     caps = nullptr;
   }
   discriminator = register_module("discriminator", PatchDiscriminator(config));
+  set_precision(precision_);  // networks built anew (reset() again, clone()) compute as the pair does
+}
+
+void Pix2pixImpl::set_precision(nn::Precision precision) {
+  precision_ = precision;
+  if (caps) caps->set_precision(precision);
+  if (cnn) cnn->set_precision(precision);
+  discriminator->set_precision(precision);
 }
 
 torch::Tensor Pix2pixImpl::generate(const torch::Tensor& labels, const torch::Tensor& z) {

@@ -23,6 +23,9 @@
 //   conv4/2 D, LReLU -> conv4/2 2D, BN, LReLU -> conv3/1 1: logits [B,1,S/4,S/4], one per 18x18 patch.
 // BatchNorm everywhere uses the batch's statistics, in training and generation alike (pix2pix
 // normalises with the test batch's statistics too).
+// Precision (set_precision): bf16 runs every convolution (plain, transposed, and each capsule layer's) on
+// bf16 copies of the fp32 weights; each output returns to fp32 at once, so routing, BatchNorm, the
+// activations and the losses are fp32.
 
 #include <torch/torch.h>
 
@@ -31,6 +34,7 @@
 #include <vector>
 
 #include "capsnet/nn/capsule_conv.h"
+#include "capsnet/nn/precision.h"
 
 namespace capsnet::models {
 
@@ -96,11 +100,16 @@ class CapsGeneratorImpl : public torch::nn::Cloneable<CapsGeneratorImpl> {
   torch::Tensor features(const torch::Tensor& labels, const torch::Tensor& z);
   /// Fused routing operator (default) or the composite ATen path in every capsule layer.
   void set_fused_routing(bool fused);
+  /// Precision of the convolutions (runtime only; see the file comment).
+  void set_precision(nn::Precision precision) { precision_ = precision; }
 
   Pix2pixConfig config;
   torch::nn::Conv2d stem{nullptr}, to_image{nullptr};
   nn::CapsuleConv2d primary{nullptr}, down{nullptr}, bottom{nullptr}, up1_conv{nullptr}, out{nullptr};
   nn::CapsuleConvTranspose2d up1{nullptr}, up2{nullptr};
+
+ private:
+  nn::Precision precision_ = nn::Precision::kFloat32;
 };
 TORCH_MODULE(CapsGenerator);
 
@@ -110,11 +119,16 @@ class UnetGeneratorImpl : public torch::nn::Cloneable<UnetGeneratorImpl> {
   explicit UnetGeneratorImpl(const Pix2pixConfig& config = {});
   void reset() override;
   torch::Tensor forward(const torch::Tensor& labels, const torch::Tensor& z);
+  /// Precision of the convolutions (runtime only; see the file comment).
+  void set_precision(nn::Precision precision) { precision_ = precision; }
 
   Pix2pixConfig config;
   torch::nn::Conv2d e1{nullptr}, e2{nullptr}, e3{nullptr}, e4{nullptr};
   torch::nn::ConvTranspose2d d4{nullptr}, d3{nullptr}, d2{nullptr}, d1{nullptr};
   torch::nn::BatchNorm2d n2{nullptr}, n3{nullptr}, m4{nullptr}, m3{nullptr}, m2{nullptr};
+
+ private:
+  nn::Precision precision_ = nn::Precision::kFloat32;
 };
 TORCH_MODULE(UnetGenerator);
 
@@ -124,10 +138,15 @@ class PatchDiscriminatorImpl : public torch::nn::Cloneable<PatchDiscriminatorImp
   explicit PatchDiscriminatorImpl(const Pix2pixConfig& config = {});
   void reset() override;
   torch::Tensor forward(const torch::Tensor& labels, const torch::Tensor& image);
+  /// Precision of the convolutions (runtime only; see the file comment).
+  void set_precision(nn::Precision precision) { precision_ = precision; }
 
   Pix2pixConfig config;
   torch::nn::Conv2d c1{nullptr}, c2{nullptr}, c3{nullptr};
   torch::nn::BatchNorm2d n2{nullptr};
+
+ private:
+  nn::Precision precision_ = nn::Precision::kFloat32;
 };
 TORCH_MODULE(PatchDiscriminator);
 
@@ -152,11 +171,17 @@ class Pix2pixImpl : public torch::nn::Cloneable<Pix2pixImpl> {
   torch::Tensor discriminator_loss(const torch::Tensor& labels, const torch::Tensor& real, const torch::Tensor& fake);
   /// The generator's losses for `fake` = generate(labels, z) (gradients reach G through D).
   Pix2pixLosses generator_losses(const torch::Tensor& labels, const torch::Tensor& real, const torch::Tensor& fake);
+  /// Precision of the convolutions of both networks (runtime only: weights and checkpoints stay fp32).
+  void set_precision(nn::Precision precision);
+  nn::Precision precision() const { return precision_; }
 
   Pix2pixConfig config;
   CapsGenerator caps{nullptr};  // set when config.generator == "caps"
   UnetGenerator cnn{nullptr};   // set when config.generator == "cnn"
   PatchDiscriminator discriminator{nullptr};
+
+ private:
+  nn::Precision precision_ = nn::Precision::kFloat32;
 };
 TORCH_MODULE(Pix2pix);
 

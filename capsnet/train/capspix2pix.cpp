@@ -42,6 +42,7 @@ LoopOptions Pix2pixTrainOptions::loop_options() const {
   l.resume = resume;
   l.progress = progress;
   l.max_seconds = max_seconds;
+  l.precision = nn::parse_precision(precision);
   return l;
 }
 
@@ -226,10 +227,9 @@ class Pix2pixTask : public Task {
 
   std::string name() const override { return "capspix2pix"; }
   std::shared_ptr<torch::nn::Module> build_model(nn::Precision precision) override {
-    if (precision != nn::Precision::kFloat32)
-      throw std::invalid_argument("capspix2pix: the GAN computes in fp32 only (precision)");
     model_ = models::Pix2pix(o_.model);
     if (model_->caps) model_->caps->set_fused_routing(o_.fused_routing);
+    model_->set_precision(precision);
     return model_.ptr();
   }
   nlohmann::json model_config() const override { return o_.model.to_json(); }

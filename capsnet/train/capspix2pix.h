@@ -37,7 +37,9 @@ struct Pix2pixTrainOptions {
   double max_seconds = 0;        // wall-clock training budget (0 = none)
   int64_t checkpoint_every = 0;  // steps; 0 = only at the end
   std::string resume;
+  std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of both networks' convolutions (losses fp32)
 
+  /// The loop's share of these options (precision resolved: "auto" becomes bf16 or fp32 on this CPU).
   LoopOptions loop_options() const;
   /// Throws std::invalid_argument naming the bad field.
   void validate() const;
