@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "capsnet/data/mnist.h"
+#include "capsnet/nn/precision.h"
 #include "apps/runtime.h"
 #include "capsnet/train/trainer.h"
 #include "apps/cli/commands.h"
@@ -28,6 +29,7 @@ struct Flags {
   uint64_t seed = 1;
   bool no_progress = false, fresh = false, overwrite = false;
   int threads = 0;
+  std::string precision = "auto";  // fp32 | bf16 | auto, every sub-run's
 };
 
 // Paper, Table 1 (MNIST test error %, mean of 3 trials); r = 2 and r = 5 were not reported.
@@ -38,10 +40,12 @@ std::string paper_error(int64_t r, bool reconstruction) {
   return it == table.end() ? "–" : it->second;
 }
 
+// The precision as resolved on this CPU ("auto" -> bf16 or fp32): what the sub-run computes in.
 nlohmann::json run_settings(const Flags& f, int64_t r, bool reconstruction) {
   return {{"routing_iterations", r}, {"reconstruction", reconstruction}, {"epochs", f.epochs},
           {"steps", f.steps},        {"batch_size", f.batch_size},       {"train_limit", f.train_limit},
-          {"test_limit", f.test_limit}, {"seed", f.seed}};
+          {"test_limit", f.test_limit}, {"seed", f.seed},
+          {"precision", nn::precision_name(nn::parse_precision(f.precision))}};
 }
 
 // Files that mark a sub-run folder as holding an earlier run (check_run_dir).
@@ -56,7 +60,10 @@ nlohmann::json read_json_object(const std::string& path) {
 }
 
 nlohmann::json settings_in(const nlohmann::json& j) {
-  return j.is_object() ? j.value("settings", nlohmann::json()) : nlohmann::json();
+  auto settings = j.is_object() ? j.value("settings", nlohmann::json()) : nlohmann::json();
+  // Sub-runs recorded before --precision existed trained in fp32 (TrainOptions' default then).
+  if (settings.is_object() && !settings.contains("precision")) settings["precision"] = "fp32";
+  return settings;
 }
 
 int run(const Flags& f) {
@@ -82,8 +89,10 @@ int run(const Flags& f) {
       // The settings the folder's run was started with: its result's, else those written at its start.
       auto previous = settings_in(result);
       if (previous.is_null()) previous = settings_in(read_json_object(p.dir + "/settings.json"));
-      if (previous == p.settings && !f.fresh && result.contains("test_error") && result["test_error"].is_number())
+      if (previous == p.settings && !f.fresh && result.contains("test_error") && result["test_error"].is_number()) {
         p.reuse = result;
+        if (!p.reuse.contains("precision")) p.reuse["precision"] = p.settings.at("precision");
+      }
       if (previous != p.settings) {
         try {
           check_run_dir(p.dir, /*resuming=*/false, f.overwrite, /*can_resume=*/false, kRunFiles);
@@ -127,6 +136,7 @@ int run(const Flags& f) {
     o.seed = f.seed;
     o.checkpoint_every = 0;
     o.progress = !f.no_progress;
+    o.precision = f.precision;
     o.validate();
     std::ostringstream log;
     auto t = train::train(o, train_set, &test_set, log);
@@ -136,6 +146,7 @@ int run(const Flags& f) {
                         {"settings", settings},
                         {"routing_iterations", r},
                         {"reconstruction", recon},
+                        {"precision", settings.at("precision")},
                         {"steps", t.end_step},
                         {"epochs_seen", images / train_set.size()},
                         {"test_accuracy", t.test->accuracy},
@@ -192,8 +203,15 @@ Subcommand add_ablation(CLI::App& root) {
   app->add_flag("--fresh", f->fresh, "Retrain runs that already have a result with the same settings");
   add_overwrite_flag(*app, f->overwrite);
   app->add_flag("--no-progress", f->no_progress, "No progress bars");
+  add_training_precision_flag(*app, f->precision);
+  app->get_option("--precision")
+      ->description(
+          "Compute precision of every sub-run (as capsnet train: convolutions and decoder; fp32 weights, routing "
+          "and losses): fp32, bf16 (AVX512_BF16/AMX CPUs) or auto (bf16 where the CPU has it). Recorded in each "
+          "run's settings: a finished run made under another precision is not reused");
   add_threads_flag(*app, f->threads);
   return {app, [f]() {
+            note_precision_choice(f->precision);
             if (f->threads > 0) set_threads(f->threads);
             return run(*f);
           }};
