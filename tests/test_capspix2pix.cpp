@@ -554,7 +554,15 @@ TEST(CapsPix2pixCli, TrainsBothGeneratorsAndDrawsThemSideBySide) {
   // Two models side by side: label | pix2pix | CapsPix2pix | real, 32x32 tiles at zoom 2.
   auto png = capsnet::viz::read_png_gray(dir / "caps/capspix2pix_compare.png");
   EXPECT_EQ(png.size(1), 4 * (64 + 2) + 2);
-  EXPECT_NE(j["figures"]["capspix2pix_compare.png"].get<std::string>().find("pix2pix | CapsPix2pix"), std::string::npos);
+  EXPECT_NE(j["figures"]["capspix2pix_compare.png"].get<std::string>().find("label | pix2pix | CapsPix2pix | real"),
+            std::string::npos);
+  EXPECT_NE(j["figures"]["capspix2pix_variations.png"].get<std::string>().find("(pix2pix | CapsPix2pix)"),
+            std::string::npos);
+  // One model alone: its captions name it once, with no empty column.
+  auto cnn = nlohmann::json::parse(std::ifstream(dir / "cnn/capspix2pix.json"));
+  EXPECT_NE(cnn["figures"]["capspix2pix_compare.png"].get<std::string>().find("label | pix2pix | real"),
+            std::string::npos);
+  EXPECT_NE(cnn["figures"]["capspix2pix_variations.png"].get<std::string>().find("(pix2pix):"), std::string::npos);
   // Bad values are refused before any work.
   r = capsnet::testing::run_command(kCli + " capspix2pix --generator gan --out " + (dir / "x"));
   EXPECT_NE(r.status, 0);

@@ -194,8 +194,10 @@ Subcommand add_capspix2pix(CLI::App& root) {
                   else models.push_back(*other);
                   summary["compared_with"] = f->compare_with;
                 }
-                std::string names;
-                for (const auto& m : models) names += (m->config.generator == "caps" ? "CapsPix2pix" : "pix2pix") + std::string(" | ");
+                std::string names;  // "CapsPix2pix" or "CapsPix2pix | pix2pix": the figures' rows, in order
+                for (const auto& m : models)
+                  names += (names.empty() ? "" : " | ") +
+                           std::string(m->config.generator == "caps" ? "CapsPix2pix" : "pix2pix");
                 auto write = [&](const std::string& name, const torch::Tensor& figure, const std::string& what) {
                   const std::string png = o.out_dir + "/" + name;
                   viz::write_png_gray(png, figure);
@@ -204,7 +206,7 @@ Subcommand add_capspix2pix(CLI::App& root) {
                 };
                 write("capspix2pix_compare.png",
                       train::pix2pix_comparison_figure(models, test_set, 0, f->figure_rows, o.eval_seed),
-                      "one row per held-out map: label | " + names + "real");
+                      "one row per held-out map: label | " + names + " | real");
                 write("capspix2pix_variations.png",
                       train::pix2pix_variations_figure(models, test_set, 0, 8, o.eval_seed),
                       "one row per model (" + names + "): label of held-out map 0 | 8 samples, different z");
