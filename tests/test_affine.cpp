@@ -363,15 +363,19 @@ TEST(AffineDataTest, BadArgumentsThrowClearly) {
 
 // ---- the `capsnet affine` command, end to end on a fake MNIST directory ------------------------
 
+/// The four MNIST IDX files of `train` and `test` in `dir`.
+void write_mnist_dir(const std::string& dir, const data::ImageSet& train, const data::ImageSet& test) {
+  std::filesystem::create_directories(dir);
+  data::write_idx(dir + "/train-images-idx3-ubyte", train.images);
+  data::write_idx(dir + "/train-labels-idx1-ubyte", train.labels.to(torch::kUInt8));
+  data::write_idx(dir + "/t10k-images-idx3-ubyte", test.images);
+  data::write_idx(dir + "/t10k-labels-idx1-ubyte", test.labels.to(torch::kUInt8));
+}
+
 TEST(AffineCliTest, TrainsBothModelsAndWritesReportFigureAndMetrics) {
   testing::TempDir dir;
   const std::string data_dir = dir / "mnist", out = dir / "run";
-  std::filesystem::create_directories(data_dir);
-  auto train_set = digit_like_set(16, 21), test_set = digit_like_set(6, 22);
-  data::write_idx(data_dir + "/train-images-idx3-ubyte", train_set.images);
-  data::write_idx(data_dir + "/train-labels-idx1-ubyte", train_set.labels.to(torch::kUInt8));
-  data::write_idx(data_dir + "/t10k-images-idx3-ubyte", test_set.images);
-  data::write_idx(data_dir + "/t10k-labels-idx1-ubyte", test_set.labels.to(torch::kUInt8));
+  write_mnist_dir(data_dir, digit_like_set(16, 21), digit_like_set(6, 22));
   const std::string cli = CAPSNET_CLI;
   auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
                                 " --model both --steps 1 --batch-size 2 --no-progress --threads 1");
@@ -420,12 +424,7 @@ nlohmann::json read_json(const std::string& path) {
 TEST(AffineCliTest, EpochModeEvaluatesEveryEpochStopsAtTheTargetAndResumes) {
   testing::TempDir dir;
   const std::string data_dir = dir / "mnist", out = dir / "run";
-  std::filesystem::create_directories(data_dir);
-  auto train_set = digit_like_set(16, 31), test_set = digit_like_set(6, 32);
-  data::write_idx(data_dir + "/train-images-idx3-ubyte", train_set.images);
-  data::write_idx(data_dir + "/train-labels-idx1-ubyte", train_set.labels.to(torch::kUInt8));
-  data::write_idx(data_dir + "/t10k-images-idx3-ubyte", test_set.images);
-  data::write_idx(data_dir + "/t10k-labels-idx1-ubyte", test_set.labels.to(torch::kUInt8));
+  write_mnist_dir(data_dir, digit_like_set(16, 31), digit_like_set(6, 32));
   const std::string cli = CAPSNET_CLI;
   const std::string common = " affine --data " + data_dir + " --out " + out +
                              " --model cnn --batch-size 8 --precision fp32 --no-progress --threads 1";

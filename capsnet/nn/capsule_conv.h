@@ -134,17 +134,6 @@ class CapsuleConvTranspose2dImpl : public torch::nn::Cloneable<CapsuleConvTransp
 };
 TORCH_MODULE(CapsuleConvTranspose2d);
 
-/// conv_transpose2d(x, weight, bias) (dilation 1) with its GEMM in `precision`, returned in weight's dtype.
-/// x: [B, C_in, H, W]; weight: [C_in, C_out / groups, k0, k1]; bias: [C_out] or undefined
-///   -> [B, C_out, H', W'], H' = (H - 1) s - 2p + k0 + output_padding.
-/// fp32: ATen's transposed convolution. bf16: weight^T x as a bf16 matrix product on copies cast per call
-/// (fp32 gradients reach the fp32 weights through the casts), then the overlap-add of the patches (col2im,
-/// a sum) and the bias in the master dtype. Why not ATen's in bf16: LibTorch 1.13's oneDNN bf16
-/// transposed convolution refuses these shapes (its shape check reads the weight as a forward one's).
-torch::Tensor conv_transpose2d_at(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
-                                  torch::ExpandingArray<2> stride, torch::ExpandingArray<2> padding,
-                                  torch::ExpandingArray<2> output_padding, int64_t groups, Precision precision);
-
 /// Locally-constrained routing of predictions at every position.
 /// u_hat: [B, T_in, T_out, A_out, H, W] -> v: [B, T_out, A_out, H, W]. routing.fused:
 /// capsnet::routing_from_predictions (CPU only; other devices fall back), else dynamic_routing.

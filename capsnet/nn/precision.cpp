@@ -80,4 +80,33 @@ torch::Tensor linear_at(torch::nn::Linear& linear, const torch::Tensor& x, Preci
                        linear->bias.defined() ? linear->bias.to(dtype) : linear->bias);
 }
 
+torch::Tensor conv_transpose2d_at(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                  torch::ExpandingArray<2> stride, torch::ExpandingArray<2> padding,
+                                  torch::ExpandingArray<2> output_padding, int64_t groups, Precision precision) {
+  if (precision == Precision::kFloat32)
+    return torch::conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, /*dilation=*/1);
+  namespace F = torch::nn::functional;
+  TORCH_CHECK(x.dim() == 4 && weight.dim() == 4 && groups > 0 && x.size(1) == weight.size(0) &&
+                  weight.size(0) % groups == 0,
+              "conv_transpose2d_at: x ", x.sizes(), " and weight ", weight.sizes(), " do not match (groups ", groups, ")");
+  const int64_t B = x.size(0), H = x.size(2), W = x.size(3), G = groups, I = x.size(1) / G;
+  const int64_t C = weight.size(1), k0 = weight.size(2), k1 = weight.size(3);
+  const int64_t Ho = (H - 1) * stride->at(0) - 2 * padding->at(0) + k0 + output_padding->at(0);
+  const int64_t Wo = (W - 1) * stride->at(1) - 2 * padding->at(1) + k1 + output_padding->at(1);
+  // cols[g, (c, ky, kx), (b, y, x)] = sum_i weight[g I + i, c, ky, kx] x[b, g I + i, y, x]: the GEMM, in
+  // bf16. The batch is in its columns so that the weight gradient is one product over every example and
+  // position (rounded once), not a bf16 sum of per-example products.
+  const auto dtype = compute_dtype(precision);
+  const int64_t M = C * k0 * k1, N = B * H * W;
+  auto w = weight.to(dtype).reshape({G, I, M}).transpose(1, 2);                                 // [G, M, I]
+  auto xs = x.to(dtype).reshape({B, G, I, H * W}).permute({1, 2, 0, 3}).reshape({G, I, N});  // [G, I, B H W]
+  auto cols = torch::bmm(w, xs).view({G, M, B, H * W}).permute({2, 0, 1, 3}).reshape({B, G * M, H * W});
+  // Overlap-add of every input pixel's k0 x k1 patch at stride s, cropped by the padding (col2im): sums,
+  // so in the master dtype. Every output side gives exactly H x W patch positions (output_padding < s).
+  auto y = F::fold(cols.to(weight.scalar_type()),
+                   F::FoldFuncOptions({Ho, Wo}, {k0, k1}).stride(stride).padding(padding));  // [B, G C, Ho, Wo]
+  if (bias.defined()) y = y + bias.view({1, -1, 1, 1});
+  return y;
+}
+
 }  // namespace capsnet::nn

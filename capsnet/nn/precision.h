@@ -52,4 +52,15 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x, Precisi
 /// linear(x) likewise.
 torch::Tensor linear_at(torch::nn::Linear& linear, const torch::Tensor& x, Precision precision);
 
+/// conv_transpose2d(x, weight, bias) (dilation 1) with its GEMM in `precision`, returned in weight's dtype.
+/// x: [B, C_in, H, W]; weight: [C_in, C_out / groups, k0, k1]; bias: [C_out] or undefined
+///   -> [B, C_out, H', W'], H' = (H - 1) s - 2p + k0 + output_padding.
+/// fp32: ATen's transposed convolution. bf16: weight^T x as a bf16 matrix product on copies cast per call
+/// (fp32 gradients reach the fp32 weights through the casts), then the overlap-add of the patches (col2im,
+/// a sum) and the bias in the master dtype. Why not ATen's in bf16: LibTorch 1.13's oneDNN bf16
+/// transposed convolution refuses these shapes (its shape check reads the weight as a forward one's).
+torch::Tensor conv_transpose2d_at(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                  torch::ExpandingArray<2> stride, torch::ExpandingArray<2> padding,
+                                  torch::ExpandingArray<2> output_padding, int64_t groups, Precision precision);
+
 }  // namespace capsnet::nn
