@@ -315,6 +315,45 @@ TEST(LoopTest, ATargetAccuracyStopsAtTheFirstEpochThatReachesIt) {
   EXPECT_EQ(train::run(mse_only, o3, log).end_step, 6);
 }
 
+TEST(LoopTest, EvalEveryAddsMidEpochEvaluationsAtThoseStepsOnly) {
+  TempDir dir;
+  std::ostringstream log;
+  // A stream of 10 steps, evaluated at the end only, plus every 4th step: steps 4, 8 and 10.
+  RegressionTask stream(10, /*shuffle=*/false);
+  auto o = options(dir / "stream");
+  o.epochs = 0;
+  o.max_steps = 10;
+  o.evaluate_each_epoch = false;
+  o.eval_every = 4;
+  train::run(stream, o, log);
+  EXPECT_EQ(stream.evaluations, 3);
+  std::vector<int64_t> steps;
+  for (const auto& r : records(o.out_dir, "eval")) {
+    steps.push_back(r["step"].get<int64_t>());
+    EXPECT_TRUE(r.contains("mse")) << r.dump();
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{4, 8, 10}));
+  EXPECT_NE(log.str().find("step 4 (epoch"), std::string::npos) << log.str();
+
+  // Epochs of 3 steps, evaluated at each end: eval_every = 3 coincides with them and adds nothing;
+  // eval_every = 2 adds steps 2 and 4 (step 6 is an epoch end, evaluated once).
+  RegressionTask same(10, true);
+  auto o2 = options(dir / "same");
+  o2.epochs = 2;
+  o2.eval_every = 3;
+  train::run(same, o2, log);
+  EXPECT_EQ(same.evaluations, 2);
+  RegressionTask more(10, true);
+  auto o3 = options(dir / "more");
+  o3.epochs = 2;
+  o3.eval_every = 2;
+  train::run(more, o3, log);
+  EXPECT_EQ(more.evaluations, 4);
+  steps.clear();
+  for (const auto& r : records(o3.out_dir, "eval")) steps.push_back(r["step"].get<int64_t>());
+  EXPECT_EQ(steps, (std::vector<int64_t>{2, 3, 4, 6}));
+}
+
 TEST(LoopTest, BadOptionsNameTheField) {
   TempDir dir;
   RegressionTask task(10, true);
@@ -347,6 +386,9 @@ TEST(LoopTest, BadOptionsNameTheField) {
   o.target_accuracy = 0.9;
   o.evaluate_each_epoch = false;
   expect_field(o, "evaluate_each_epoch");
+  o = options(dir / "run");
+  o.eval_every = -1;
+  expect_field(o, "eval_every");
   RegressionTask empty(0, true);
   EXPECT_THROW(train::run(empty, options(dir / "run"), log), std::invalid_argument);
 }

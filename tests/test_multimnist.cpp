@@ -492,6 +492,88 @@ TEST(MultiMnistTrainTest, ResumeWithAnotherOverlayIsRefusedAndOldCheckpointsRead
   EXPECT_EQ(train::train_multimnist(options("r4", 2, with_add.checkpoint), add_pairs, nullptr, log).steps, 2);
 }
 
+TEST(MultiMnistCnnTest, LossIsBinaryCrossEntropyPerClassSummedAndAveragedOverTheBatch) {
+  // Two examples, K = 3. Example 0 has classes {0, 2}, example 1 has {1, 2}.
+  auto logits = torch::tensor({{0.0, 1.0, -1.0}, {2.0, -0.5, 0.25}}, torch::kFloat64).requires_grad_();
+  auto labels = torch::tensor({{0, 2}, {2, 1}}, torch::kLong);
+  auto loss = train::multimnist_cnn_loss(logits, labels);
+  const auto softplus = [](double x) { return std::log1p(std::exp(x)); };  // -log sigmoid(-x)
+  // Target 1: -log sigmoid(z) = softplus(-z); target 0: -log(1 - sigmoid(z)) = softplus(z).
+  const double ex0 = softplus(-0.0) + softplus(1.0) + softplus(1.0);
+  const double ex1 = softplus(2.0) + softplus(0.5) + softplus(-0.25);
+  EXPECT_NEAR(loss.item<double>(), (ex0 + ex1) / 2, 1e-12);
+  loss.backward();
+  // d/dz = (sigmoid(z) - t) / B.
+  auto t = torch::tensor({{1.0, 0.0, 1.0}, {0.0, 1.0, 1.0}}, torch::kFloat64);
+  EXPECT_TRUE(torch::allclose(logits.grad(), (torch::sigmoid(logits.detach()) - t) / 2, 0, 1e-12));
+  EXPECT_THROW(train::multimnist_cnn_loss(logits, torch::tensor({{1, 1}, {0, 2}}, torch::kLong)), c10::Error);
+  EXPECT_THROW(train::multimnist_cnn_loss(logits, torch::tensor({0, 2}, torch::kLong)), c10::Error);
+  EXPECT_EQ(train::parse_multimnist_model("cnn"), train::MultiMnistModel::kCnn);
+  EXPECT_NE(error_of([] { train::parse_multimnist_model("resnet"); }).find("resnet"), std::string::npos);
+}
+
+/// A narrow baseline CNN for the tiny 12x12 pairs.
+models::BaselineCnnConfig tiny_cnn() {
+  models::BaselineCnnConfig c;
+  c.image_size = 12;
+  c.conv1_channels = 8;
+  c.conv2_channels = 8;
+  c.conv3_channels = 4;
+  c.fc1_units = 16;
+  c.fc2_units = 16;
+  return c;
+}
+
+TEST(MultiMnistCnnTest, TrainsEvaluatesEveryNStepsAndItsCheckpointHoldsTheEvaluatedWeights) {
+  OneThread one_thread;
+  TinySetup s;
+  TempDir dir;
+  train::MultiMnistTrainOptions o;
+  o.which = train::MultiMnistModel::kCnn;
+  o.cnn = tiny_cnn();
+  o.out_dir = dir / "run";
+  o.steps = 30;
+  o.batch_size = 16;
+  o.lr = 3e-3;
+  o.log_every = 10;
+  o.eval_every = 10;
+  o.test_size = 40;
+  o.eval_batch_size = 16;
+  o.progress = false;
+  std::ostringstream log;
+  auto r = train::train_multimnist(o, s.train_pairs, &s.test_pairs, log);
+  EXPECT_EQ(r.steps, 30);
+  ASSERT_TRUE(r.test.has_value());
+  EXPECT_EQ(r.test->examples, 40);
+  EXPECT_LE(r.test->accuracy, r.test->digit_accuracy + 1e-12);
+  // The loss falls: mean of the last 10 steps below that of the first 10 (new pairs every step).
+  double first = 0, last = 0;
+  for (int i = 0; i < 10; ++i) first += r.losses[i], last += r.losses[20 + i];
+  EXPECT_LT(last, first) << log.str();
+  // A learning curve: eval records at steps 10, 20 and 30, each with the error.
+  std::ifstream in(train::metrics_path(o.out_dir));
+  std::vector<int64_t> eval_steps;
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.at("event") == "start") EXPECT_EQ(j.at("task"), "multimnist-cnn");
+    if (j.at("event") != "eval") continue;
+    eval_steps.push_back(j.at("step").get<int64_t>());
+    EXPECT_NEAR(j.at("error").get<double>(), 1 - j.at("accuracy").get<double>(), 1e-12);
+  }
+  EXPECT_EQ(eval_steps, (std::vector<int64_t>{10, 20, 30}));
+  // The checkpoint holds the evaluated weights.
+  models::BaselineCnn cnn(o.cnn);
+  train::load_checkpoint(r.checkpoint, *cnn, nullptr,
+                         [&](const nlohmann::json& saved) { return saved == o.cnn.to_json(); });
+  auto again = train::evaluate_multimnist(cnn, s.test_pairs, 40, 16);
+  EXPECT_DOUBLE_EQ(again.accuracy, r.test->accuracy);
+  EXPECT_DOUBLE_EQ(again.loss, r.test->loss);
+  // A CNN whose input does not fit the canvas is refused by name.
+  o.cnn.image_size = 28;
+  EXPECT_NE(error_of([&] { train::train_multimnist(o, s.train_pairs, nullptr, log); }).find("12x12"),
+            std::string::npos);
+}
+
 TEST(MultiMnistVizTest, PanelAndFigureHaveTheDocumentedSizeAndDecode) {
   OneThread one_thread;
   auto image = torch::rand({36, 36}), recs = torch::rand({2, 36, 36});
@@ -583,6 +665,30 @@ TEST(MultiMnistCliTest, TrainThenEvalOnlyOnGeneratedIdxFiles) {
                                       "/checkpoint.pt --figure-correct 0 --figure-wrong 0");
   EXPECT_NE(resumed.status, 0);
   EXPECT_NE(resumed.output.find("train_generator"), std::string::npos) << resumed.output;
+
+  // The baseline CNN: same pairs, its own metric line, a learning curve, and --eval-only knows it.
+  const std::string cnn_out = dir / "cnn";
+  const std::string cnn_cli = std::string(CAPSNET_CLI) + " multimnist --data " + data_dir + " --out " + cnn_out +
+                              " --test-size 20 --no-progress --threads 1";
+  auto cnn = testing::run_command(cnn_cli + " --model cnn --steps 2 --batch-size 4 --eval-every 1");
+  ASSERT_EQ(cnn.status, 0) << cnn.output;
+  EXPECT_NE(cnn.output.find("two largest logits"), std::string::npos) << cnn.output;
+  EXPECT_NE(cnn.output.find("step 1 (epoch"), std::string::npos) << cnn.output;
+  EXPECT_NE(cnn.output.find("no figure"), std::string::npos) << cnn.output;
+  std::ifstream in3(cnn_out + "/multimnist.json");
+  auto c = nlohmann::json::parse(in3);
+  EXPECT_EQ(c.at("model_kind"), "cnn");
+  EXPECT_EQ(c.at("model").at("image_size"), 36);
+  EXPECT_FALSE(std::filesystem::exists(cnn_out + "/multimnist.png"));
+  auto cnn_eval = testing::run_command(cnn_cli + " --eval-only");
+  ASSERT_EQ(cnn_eval.status, 0) << cnn_eval.output;
+  std::ifstream in4(cnn_out + "/multimnist.json");
+  auto ce = nlohmann::json::parse(in4);
+  EXPECT_EQ(ce.at("model_kind"), "cnn");
+  EXPECT_DOUBLE_EQ(ce.at("error").get<double>(), c.at("error").get<double>());
+  auto both = testing::run_command(cnn_cli + " --eval-only --model cnn");
+  EXPECT_NE(both.status, 0);
+  EXPECT_NE(both.output.find("--model is not read with --eval-only"), std::string::npos) << both.output;
 }
 
 }  // namespace

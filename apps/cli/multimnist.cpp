@@ -33,6 +33,7 @@ struct Flags {
   std::string checkpoint;
   uint64_t test_seed = 1001;
   bool eval_only = false;
+  std::string model = "capsnet";  // capsnet | cnn (train::parse_multimnist_model)
   std::string overlay = "add";  // add | max (data::parse_overlay)
   bool overlay_given = false;   // --overlay on the command line (else --eval-only takes the checkpoint's)
   int64_t figure_correct = 9, figure_wrong = 3, figure_columns = 3;
@@ -47,20 +48,31 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
   auto& o = f->o;
   data::MultiMnistOptions gen_options;  // the paper's: 28x28 padded to 36x36, shifts up to 4 px
   gen_options.overlay = data::parse_overlay(f->overlay);
-  models::CapsNet model{nullptr};
+  models::CapsNet model{nullptr};  // one of the two is set: the model trained or loaded
+  models::BaselineCnn cnn{nullptr};
   std::optional<train::MultiMnistTrainResult> trained;
   nlohmann::json summary = {{"task", "multimnist"}, {"test_seed", f->test_seed}};
   std::optional<train::MultiMnistEval> eval;
+  const int64_t canvas = 28 + 2 * gen_options.pad;
   if (f->eval_only) {
     const std::string path = f->checkpoint.empty() ? train::checkpoint_path(o.out_dir) : f->checkpoint;
     auto meta = train::read_checkpoint_meta(path);
-    model = train::load_model(path);
-    const int64_t canvas = 28 + 2 * gen_options.pad;
-    if (model->config.image_size != canvas || model->config.image_channels != 1)
+    int64_t channels = 0, size = 0;
+    if (meta.train_options.value("task", std::string()) == "multimnist-cnn") {
+      o.which = train::MultiMnistModel::kCnn;
+      cnn = models::BaselineCnn(models::BaselineCnnConfig::from_json(meta.model_config));
+      train::load_checkpoint(path, *cnn, nullptr, [&](const nlohmann::json& saved) { return saved == meta.model_config; });
+      channels = cnn->config.image_channels, size = cnn->config.image_size;
+    } else {
+      o.which = train::MultiMnistModel::kCapsNet;
+      model = train::load_model(path);
+      channels = model->config.image_channels, size = model->config.image_size;
+    }
+    if (size != canvas || channels != 1)
       throw std::invalid_argument(fmt::format(
           "{}: the model takes {}x{}x{} images, MultiMNIST pairs are 1x{}x{} (train one with capsnet "
           "multimnist)",
-          path, model->config.image_channels, model->config.image_size, model->config.image_size, canvas, canvas));
+          path, channels, size, size, canvas, canvas));
     const int64_t batch = meta.train_options.value("batch_size", int64_t{0});
     summary["mode"] = "eval-only";
     summary["checkpoint"] = path;
@@ -72,6 +84,13 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
     if (!f->overlay_given) gen_options.overlay = train::saved_overlay(meta.train_options);
     std::cout << fmt::format("loaded {} (step {}, {} training pairs seen)\n", path, meta.step, meta.step * batch);
   }
+  const bool is_cnn = o.which == train::MultiMnistModel::kCnn;
+  // The test pairs through whichever model this run has.
+  auto evaluate = [&](const data::MultiMnist& pairs) {
+    std::ostream* progress = o.progress ? &std::cerr : nullptr;
+    return is_cnn ? train::evaluate_multimnist(cnn, pairs, o.test_size, o.eval_batch_size, progress)
+                  : train::evaluate_multimnist(model, pairs, o.test_size, o.eval_batch_size, progress);
+  };
 
   auto test_set = data::load_mnist(f->data.resolved(), data::Split::kTest);
   data::MultiMnist test_pairs(std::move(test_set), f->test_seed, gen_options);
@@ -79,11 +98,15 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
     data::MultiMnist train_pairs(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.seed, gen_options);
     trained = train::train_multimnist(o, train_pairs, &test_pairs, std::cout, group);
     if (group && group->rank() != 0) return 0;  // rank 0 reports
+    if (is_cnn) {
+      cnn = models::BaselineCnn(o.cnn);
+      train::load_checkpoint(trained->checkpoint, *cnn, nullptr,
+                             [&](const nlohmann::json& saved) { return saved == o.cnn.to_json(); });
+    } else {
+      model = train::load_model(trained->checkpoint);
+    }
     eval = trained->test;
-    if (!eval)  // resumed at the end: nothing trained, nothing evaluated yet
-      eval = train::evaluate_multimnist(model, test_pairs, o.test_size, o.eval_batch_size,
-                                        o.progress ? &std::cerr : nullptr);
-    model = train::load_model(trained->checkpoint);
+    if (!eval) eval = evaluate(test_pairs);  // resumed at the end: nothing trained, nothing evaluated yet
     summary["mode"] = "train";
     summary["checkpoint"] = trained->checkpoint;
     summary["steps"] = trained->steps;
@@ -94,13 +117,13 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
     summary["train_images_per_second"] = trained->images_per_second;
     if (!trained->losses.empty()) summary["final_train_loss"] = trained->losses.back();
   } else {
-    eval = train::evaluate_multimnist(model, test_pairs, o.test_size, o.eval_batch_size,
-                                      o.progress ? &std::cerr : nullptr);
+    eval = evaluate(test_pairs);
   }
   const auto& r = *eval;
   summary["overlay"] = data::overlay_name(gen_options.overlay);
-  summary["model"] = model->config.to_json();
-  summary["parameters"] = models::count_parameters(*model);
+  summary["model_kind"] = train::multimnist_model_name(o.which);
+  summary["model"] = is_cnn ? cnn->config.to_json() : model->config.to_json();
+  summary["parameters"] = is_cnn ? models::count_parameters(*cnn) : models::count_parameters(*model);
   summary["test_examples"] = r.examples;
   summary["accuracy"] = r.accuracy;
   summary["error"] = 1 - r.accuracy;
@@ -112,9 +135,10 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
                         {"mean_iou", r.overlap.mean_iou()},
                         {"mean_over_smaller", r.overlap.mean_over_smaller()}};
   std::cout << fmt::format(
-      "MultiMNIST test: error {:.2f}% (both digits among the two longest capsules: {:.2f}%; single digits "
+      "MultiMNIST test: error {:.2f}% (both digits among the two {}: {:.2f}%; single digits "
       "found: {:.2f}%) on {} pairs, loss {:.4f}\n",
-      100 * (1 - r.accuracy), 100 * r.accuracy, 100 * r.digit_accuracy, r.examples, r.loss);
+      100 * (1 - r.accuracy), is_cnn ? "largest logits" : "longest capsules", 100 * r.accuracy,
+      100 * r.digit_accuracy, r.examples, r.loss);
   std::cout << fmt::format(
       "bounding-box overlap of the test pairs: mean IoU {:.1f}%, mean intersection / smaller box {:.1f}% "
       "({} pairs)\n",
@@ -122,7 +146,9 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
 
   std::filesystem::create_directories(o.out_dir);
   if (f->figure_correct + f->figure_wrong > 0) {
-    if (model->config.reconstruction) {
+    if (is_cnn) {
+      std::cerr << "no figure: the CNN has no reconstructions\n";
+    } else if (model->config.reconstruction) {
       auto figure = train::multimnist_figure(model, test_pairs, f->figure_correct, f->figure_wrong, f->figure_columns);
       const std::string png = o.out_dir + "/multimnist.png";
       viz::write_png_gray(png, figure);
@@ -145,8 +171,8 @@ Subcommand add_multimnist(CLI::App& root) {
   auto f = std::make_shared<Flags>();
   auto* app = root.add_subcommand(
       "multimnist",
-      "Train and evaluate a CapsNet on MultiMNIST: two overlapping digits in 36x36, both must be found "
-      "(writes multimnist.json, multimnist.png, metrics.jsonl, checkpoint.pt in --out)");
+      "Train and evaluate a CapsNet (or the baseline CNN) on MultiMNIST: two overlapping digits in 36x36, both "
+      "must be found (writes multimnist.json, multimnist.png, metrics.jsonl, checkpoint.pt in --out)");
   add_data_flags(*app, f->data);
   app->add_option("--out", f->o.out_dir, "Output directory")->capture_default_str();
   app->add_option("--steps", f->o.steps, "Optimizer steps (each on new generated pairs)")
@@ -170,6 +196,15 @@ Subcommand add_multimnist(CLI::App& root) {
                   "Composite of the two digits: add = min(a + b, 1), the authors' generator; max = pixel-wise max "
                   "(--eval-only default: the checkpoint's)")
       ->check(CLI::IsMember({"add", "max"}))
+      ->capture_default_str();
+  app->add_option("--model", f->model,
+                  "capsnet (the paper's, margin loss + reconstructions) or cnn (the baseline CNN of capsnet "
+                  "affine, 36x36 input, a sigmoid per class; its two largest logits are its answer)")
+      ->check(CLI::IsMember({"capsnet", "cnn"}))
+      ->capture_default_str();
+  app->add_option("--eval-every", f->o.eval_every,
+                  "Also evaluate the --test-size test pairs every N steps: error vs pairs seen (0 = at the end only)")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app->add_option("--routing-iters", f->o.model.routing_iterations, "Dynamic routing iterations r")
       ->check(CLI::Range(1, 100))
@@ -204,6 +239,9 @@ Subcommand add_multimnist(CLI::App& root) {
         f->overlay_given = app->get_option("--overlay")->count() > 0;
         o.progress = !f->loop.no_progress;
         o.resume = f->loop.resume;
+        if (app->get_option("--model")->count() > 0 && f->eval_only)
+          throw std::invalid_argument("--model is not read with --eval-only (the checkpoint says which model it is)");
+        o.which = train::parse_multimnist_model(f->model);
         if (!f->checkpoint.empty() && !f->eval_only)
           throw std::invalid_argument("--checkpoint is only read with --eval-only (training continues with --resume)");
         if (f->eval_only) {
@@ -211,6 +249,7 @@ Subcommand add_multimnist(CLI::App& root) {
           return run_multimnist(*f, nullptr);
         }
         o.model.image_size = 28 + 2 * data::MultiMnistOptions{}.pad;
+        o.cnn.image_size = o.model.image_size;
         o.validate();  // before loading 50 MB of data
         return run_training_command(f->loop, o.out_dir, o.batch_size,
                                     [f](auto group) { return run_multimnist(*f, group); });

@@ -153,6 +153,7 @@ void LoopOptions::validate() const {
     fail(fmt::format("target_accuracy must be in [0, 1] (0 = none), got {}", target_accuracy));
   if (target_accuracy > 0 && !evaluate_each_epoch)
     fail("target_accuracy needs evaluate_each_epoch: the target is checked at every epoch's evaluation");
+  if (eval_every < 0) fail(fmt::format("eval_every must be >= 0 (0 = only at epoch ends), got {}", eval_every));
   if (out_dir.empty()) fail("out_dir must not be empty");
 }
 
@@ -169,6 +170,7 @@ nlohmann::json LoopOptions::to_json() const {
           {"precision", nn::precision_name(precision)},
           {"out_dir", out_dir}};
   if (target_accuracy > 0) j["target_accuracy"] = target_accuracy;
+  if (eval_every > 0) j["eval_every"] = eval_every;
   return j;
 }
 
@@ -397,6 +399,28 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
     }
     const bool epoch_end = last || schedule.epoch_of(step) != epoch;
     if ((options.checkpoint_every > 0 && step % options.checkpoint_every == 0) || epoch_end) save(step);
+    // Runs the task's evaluation and writes its "eval" record (rank 0 only; the caller checks lead).
+    auto evaluate_now = [&]() -> std::optional<Evaluation> {
+      auto e = task.evaluate(progress ? &std::cerr : nullptr);
+      if (e) {
+        nlohmann::json record = {{"event", "eval"},
+                                 {"split", "test"},
+                                 {"step", step},
+                                 {"epoch", schedule.epochs_done(step)},
+                                 {"train_seconds", run_seconds}};
+        record.update(e->record);
+        metrics.write(record);
+      }
+      return e;
+    };
+    // A mid-epoch learning-curve point; an epoch end evaluates below (when it evaluates at all).
+    const bool epoch_evaluates = epoch_end && (options.evaluate_each_epoch || last);
+    if (lead && options.eval_every > 0 && step % options.eval_every == 0 && !epoch_evaluates) {
+      if (auto e = evaluate_now()) {
+        log << fmt::format("step {} (epoch {:.3g}): {}\n", step, schedule.epochs_done(step), e->summary) << std::flush;
+        result.evaluation = std::move(e);
+      }
+    }
     if (epoch_end) {
       bar->finish(epoch_window.summary(img_s));
       // A run that stops inside an epoch says where, rather than naming an epoch it did not finish.
@@ -407,14 +431,7 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
       if (auto acc = epoch_window.mean("accuracy")) line += fmt::format(" accuracy {:.2f}%", 100 * *acc);
       line += fmt::format(" ({:.0f} img/s)", img_s);
       if (lead && (options.evaluate_each_epoch || last)) {
-        if (auto e = task.evaluate(progress ? &std::cerr : nullptr)) {
-          nlohmann::json record = {{"event", "eval"},
-                                   {"split", "test"},
-                                   {"step", step},
-                                   {"epoch", schedule.epochs_done(step)},
-                                   {"train_seconds", run_seconds}};
-          record.update(e->record);
-          metrics.write(record);
+        if (auto e = evaluate_now()) {
           line += " | " + e->summary;
           const auto acc = e->record.find("accuracy");
           result.target_reached = options.target_accuracy > 0 && acc != e->record.end() && acc->is_number() &&

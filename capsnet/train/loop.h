@@ -139,6 +139,11 @@ struct LoopOptions {
   /// > 0: stop after the first end-of-epoch evaluation whose "accuracy" reaches it (a fraction in
   /// (0, 1]; "train until the model reaches 99%" protocols). Not a resume key: a resume may change it.
   double target_accuracy = 0;
+  /// > 0: also evaluate after every eval_every-th step (beside the epoch ends), on rank 0, with an
+  /// "eval" record and a log line: a learning curve for runs measured in steps rather than epochs
+  /// (generated data). 0 = only at epoch ends / the end. Not a resume key. The target accuracy is
+  /// still checked at epoch ends only.
+  int64_t eval_every = 0;
 
   /// Throws std::invalid_argument naming the first bad option (by field name).
   void validate() const;

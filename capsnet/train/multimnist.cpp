@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <functional>
+#include <memory>
 #include <cmath>
 #include <stdexcept>
 
@@ -18,19 +20,76 @@ using Clock = std::chrono::steady_clock;
 // the batch size and matches `capsnet train` image for image.
 constexpr double kDecayImages = 60000.0;
 
-void check_pairs_fit(const models::CapsNetConfig& config, const data::MultiMnist& pairs, const char* what) {
+// Works for either model's config (both have image_channels and image_size).
+template <class Config>
+void check_pairs_fit(const Config& config, const data::MultiMnist& pairs, const char* what) {
   if (config.image_channels != 1 || config.image_size != pairs.canvas_size())
     throw std::invalid_argument(fmt::format("{} pairs are 1x{}x{} but the model expects {}x{}x{}", what,
                                             pairs.canvas_size(), pairs.canvas_size(), config.image_channels,
                                             config.image_size, config.image_size));
 }
 
+/// Scores [B, K] (capsule lengths or logits) and the mean loss of one batch of pairs.
+using PairScorer = std::function<std::pair<torch::Tensor, double>(const data::MultiMnistBatch&)>;
+
+// The evaluation both models share: the paper's metric on the scores, per-digit hits, mean loss, overlap.
+MultiMnistEval evaluate_pairs(torch::nn::Module& model, const data::MultiMnist& pairs, int64_t count,
+                              int64_t batch_size, std::ostream* progress, const PairScorer& score) {
+  if (count < 1 || batch_size < 1)
+    throw std::invalid_argument(fmt::format("evaluate_multimnist: count and batch size must be >= 1, got {} and {}",
+                                            count, batch_size));
+  const auto t0 = Clock::now();
+  torch::NoGradGuard no_grad;
+  const bool was_training = model.is_training();
+  model.eval();
+  MultiMnistEval r;
+  int64_t correct = 0, digits_found = 0;
+  double loss_sum = 0;
+  ProgressBar bar(progress ? *progress : std::cerr, "eval", count, progress != nullptr);
+  for (int64_t start = 0; start < count; start += batch_size) {
+    const int64_t len = std::min(batch_size, count - start);
+    auto batch = pairs.generate(start, len);
+    auto [scores, loss] = score(batch);  // [B, K], mean over the batch
+    correct += both_found(scores, batch.labels).sum().item<int64_t>();
+    auto top = two_longest(scores);  // [B, 2]
+    // A label counts as found when it is one of the two top scores.
+    digits_found += (top.unsqueeze(1).eq(batch.labels.unsqueeze(2))).any(2).sum().item<int64_t>();
+    loss_sum += loss * static_cast<double>(len);
+    data::accumulate_overlap(r.overlap, batch.digits);
+    bar.update(start + len, fmt::format("both found {:.2f}%", 100.0 * correct / (start + len)));
+  }
+  r.examples = count;
+  r.accuracy = static_cast<double>(correct) / static_cast<double>(count);
+  r.digit_accuracy = static_cast<double>(digits_found) / static_cast<double>(2 * count);
+  r.loss = loss_sum / static_cast<double>(count);
+  r.seconds = seconds_since(t0);
+  bar.finish(fmt::format("both found {:.2f}% (error {:.2f}%)", 100 * r.accuracy, 100 * (1 - r.accuracy)));
+  if (was_training) model.train();
+  return r;
+}
+
 }  // namespace
+
+const char* multimnist_model_name(MultiMnistModel model) {
+  return model == MultiMnistModel::kCnn ? "cnn" : "capsnet";
+}
+
+MultiMnistModel parse_multimnist_model(const std::string& name) {
+  if (name == "capsnet") return MultiMnistModel::kCapsNet;
+  if (name == "cnn") return MultiMnistModel::kCnn;
+  throw std::invalid_argument(fmt::format("multimnist: the model must be capsnet or cnn, got '{}'", name));
+}
 
 void MultiMnistTrainOptions::validate() const {
   auto fail = [](const std::string& msg) { throw std::invalid_argument(msg); };
-  model.validate();
-  if (model.num_classes < 2) fail("multimnist: the model needs at least 2 classes");
+  if (which == MultiMnistModel::kCnn) {
+    cnn.validate();
+    if (cnn.num_classes < 2) fail("multimnist: the model needs at least 2 classes");
+  } else {
+    model.validate();
+    if (model.num_classes < 2) fail("multimnist: the model needs at least 2 classes");
+  }
+  if (eval_every < 0) fail(fmt::format("eval_every must be >= 0, got {}", eval_every));
   if (steps <= 0) fail(fmt::format("steps must be positive, got {}", steps));
   if (eval_batch_size <= 0) fail(fmt::format("eval_batch_size must be positive, got {}", eval_batch_size));
   if (test_size < 0) fail(fmt::format("test_size must be >= 0, got {}", test_size));
@@ -38,7 +97,7 @@ void MultiMnistTrainOptions::validate() const {
 }
 
 nlohmann::json MultiMnistTrainOptions::to_json() const {
-  return {{"task", "multimnist"}, {"steps", steps},         {"batch_size", batch_size},
+  return {{"task", "multimnist"}, {"model", multimnist_model_name(which)}, {"steps", steps}, {"batch_size", batch_size},
           {"lr", lr},             {"lr_decay", lr_decay},   {"seed", seed},
           {"test_size", test_size}, {"out_dir", out_dir}};
 }
@@ -89,6 +148,21 @@ MultiMnistLoss multimnist_loss(const models::CapsNetConfig& config, const MultiM
   return l;
 }
 
+torch::Tensor multimnist_cnn_loss(const torch::Tensor& logits, const torch::Tensor& labels) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 2, "multimnist_cnn_loss: logits must be [B, K], got ",
+              logits.sizes());
+  TORCH_CHECK(labels.dim() == 2 && labels.size(1) == 2 && labels.size(0) == logits.size(0),
+              "multimnist_cnn_loss: labels must be [B, 2] with B = ", logits.size(0), ", got ", labels.sizes());
+  const int64_t K = logits.size(1);
+  auto targets = torch::one_hot(labels.select(1, 0), K) + torch::one_hot(labels.select(1, 1), K);  // [B, K]
+  TORCH_CHECK(targets.max().item<int64_t>() <= 1, "multimnist_cnn_loss: the two labels of an example must differ");
+  namespace F = torch::nn::functional;
+  // Sum over classes (each class is its own yes/no question), mean over the batch.
+  return F::binary_cross_entropy_with_logits(logits, targets.to(logits.dtype()),
+                                             F::BinaryCrossEntropyWithLogitsFuncOptions().reduction(torch::kSum)) /
+         static_cast<double>(logits.size(0));
+}
+
 torch::Tensor two_longest(const torch::Tensor& lengths) {
   TORCH_CHECK(lengths.dim() == 2 && lengths.size(1) >= 2, "two_longest: lengths must be [B, K] with K >= 2, got ",
               lengths.sizes());
@@ -106,59 +180,33 @@ torch::Tensor both_found(const torch::Tensor& lengths, const torch::Tensor& labe
 
 MultiMnistEval evaluate_multimnist(models::CapsNet& model, const data::MultiMnist& pairs, int64_t count,
                                    int64_t batch_size, std::ostream* progress) {
-  if (count < 1 || batch_size < 1)
-    throw std::invalid_argument(fmt::format("evaluate_multimnist: count and batch size must be >= 1, got {} and {}",
-                                            count, batch_size));
   check_pairs_fit(model->config, pairs, "test");
-  const auto t0 = Clock::now();
-  torch::NoGradGuard no_grad;
-  const bool was_training = model->is_training();
-  model->eval();
-  MultiMnistEval r;
-  int64_t correct = 0, digits_found = 0;
-  double loss_sum = 0;
-  ProgressBar bar(progress ? *progress : std::cerr, "eval", count, progress != nullptr);
-  for (int64_t start = 0; start < count; start += batch_size) {
-    const int64_t len = std::min(batch_size, count - start);
-    auto batch = pairs.generate(start, len);
+  return evaluate_pairs(*model, pairs, count, batch_size, progress, [&](const data::MultiMnistBatch& batch) {
     auto f = forward_pair(model, batch.images, batch.labels);
-    correct += both_found(f.out.lengths, batch.labels).sum().item<int64_t>();
-    auto top = two_longest(f.out.lengths);  // [B, 2]
-    // A label counts as found when it is one of the two longest capsules.
-    digits_found += (top.unsqueeze(1).eq(batch.labels.unsqueeze(2))).any(2).sum().item<int64_t>();
-    loss_sum += multimnist_loss(model->config, f, batch.labels, batch.digits).total.item<double>() *
-                static_cast<double>(len);
-    data::accumulate_overlap(r.overlap, batch.digits);
-    bar.update(start + len, fmt::format("both found {:.2f}%", 100.0 * correct / (start + len)));
-  }
-  r.examples = count;
-  r.accuracy = static_cast<double>(correct) / static_cast<double>(count);
-  r.digit_accuracy = static_cast<double>(digits_found) / static_cast<double>(2 * count);
-  r.loss = loss_sum / static_cast<double>(count);
-  r.seconds = seconds_since(t0);
-  bar.finish(fmt::format("both found {:.2f}% (error {:.2f}%)", 100 * r.accuracy, 100 * (1 - r.accuracy)));
-  if (was_training) model->train();
-  return r;
+    const double loss = multimnist_loss(model->config, f, batch.labels, batch.digits).total.item<double>();
+    return std::make_pair(f.out.lengths, loss);
+  });
+}
+
+MultiMnistEval evaluate_multimnist(models::BaselineCnn& model, const data::MultiMnist& pairs, int64_t count,
+                                   int64_t batch_size, std::ostream* progress) {
+  check_pairs_fit(model->config, pairs, "test");
+  return evaluate_pairs(*model, pairs, count, batch_size, progress, [&](const data::MultiMnistBatch& batch) {
+    auto logits = model(batch.images);  // [B, K]
+    return std::make_pair(logits, multimnist_cnn_loss(logits, batch.labels).item<double>());
+  });
 }
 
 namespace {
 
-/// MultiMNIST as a Task: a stream of generated pairs (step s uses pairs [s B, (s + 1) B)), both
-/// digits' margin loss and reconstructions; the metric is "both digits found".
-class MultiMnistTask : public Task {
+/// MultiMNIST as a Task: a stream of generated pairs (step s uses pairs [s B, (s + 1) B)); the
+/// metric is "both digits found". The two models differ in their model, loss and scores only.
+class MultiMnistTaskBase : public Task {
  public:
-  MultiMnistTask(const MultiMnistTrainOptions& o, const data::MultiMnist& train_pairs, const data::MultiMnist* test_pairs)
+  MultiMnistTaskBase(const MultiMnistTrainOptions& o, const data::MultiMnist& train_pairs,
+                     const data::MultiMnist* test_pairs)
       : o_(o), train_(train_pairs), test_(test_pairs) {}
 
-  std::string name() const override { return "multimnist"; }
-  std::shared_ptr<torch::nn::Module> build_model(nn::Precision precision) override {
-    model_ = models::CapsNet(o_.model);
-    model_->set_fused_routing(o_.fused_routing);
-    model_->set_precision(precision);
-    return model_.ptr();
-  }
-  nlohmann::json model_config() const override { return o_.model.to_json(); }
-  bool config_matches(const nlohmann::json& saved) const override { return models::same_config(saved, o_.model); }
   nlohmann::json data_config() const override {
     nlohmann::json generator = {{"seed", train_.seed()},
                                 {"source_size", train_.source_size()},
@@ -171,10 +219,6 @@ class MultiMnistTask : public Task {
       generator["overlay"] = data::overlay_name(train_.options().overlay);
     return {{"train_generator", generator}};
   }
-  std::string describe() const override {
-    return fmt::format("MultiMNIST CapsNet ({} primary capsules, {}x{} input)", o_.model.num_primary_caps(),
-                       o_.model.image_size, o_.model.image_size);
-  }
   int64_t epoch_size() const override { return static_cast<int64_t>(kDecayImages); }
   bool shuffle() const override { return false; }
 
@@ -183,17 +227,9 @@ class MultiMnistTask : public Task {
     auto b = train_.generate(ids[0].item<int64_t>(), ids.size(0));
     return {{b.images, b.labels, b.digits}};  // [B, 1, S, S], [B, 2], [B, 2, 1, S, S]
   }
-  TaskLoss loss(const Batch& rows) override {
-    const auto& images = rows[0];
-    const auto& labels = rows[1];
-    auto f = forward_pair(model_, images, labels);
-    auto l = multimnist_loss(o_.model, f, labels, rows[2]);
-    auto found = both_found(f.out.lengths.detach(), labels).to(torch::kFloat64).mean();
-    return {l.total, {{"margin_loss", l.margin}, {"reconstruction_loss", l.reconstruction}, {"accuracy", found}}};
-  }
   std::optional<Evaluation> evaluate(std::ostream* progress) override {
     if (!test_ || o_.test_size == 0) return std::nullopt;
-    auto r = evaluate_multimnist(model_, *test_, o_.test_size, o_.eval_batch_size, progress);
+    auto r = evaluate_test(progress);
     Evaluation e{{{"accuracy", r.accuracy},
                   {"error", 1 - r.accuracy},
                   {"digit_accuracy", r.digit_accuracy},
@@ -210,11 +246,76 @@ class MultiMnistTask : public Task {
 
   std::optional<MultiMnistEval> last_;
 
- private:
+ protected:
+  virtual MultiMnistEval evaluate_test(std::ostream* progress) = 0;
+
   const MultiMnistTrainOptions& o_;
   const data::MultiMnist& train_;
   const data::MultiMnist* test_;
+};
+
+/// The paper's CapsNet: both digits' margin loss and reconstructions.
+class MultiMnistTask : public MultiMnistTaskBase {
+ public:
+  using MultiMnistTaskBase::MultiMnistTaskBase;
+
+  std::string name() const override { return "multimnist"; }
+  std::shared_ptr<torch::nn::Module> build_model(nn::Precision precision) override {
+    model_ = models::CapsNet(o_.model);
+    model_->set_fused_routing(o_.fused_routing);
+    model_->set_precision(precision);
+    return model_.ptr();
+  }
+  nlohmann::json model_config() const override { return o_.model.to_json(); }
+  bool config_matches(const nlohmann::json& saved) const override { return models::same_config(saved, o_.model); }
+  std::string describe() const override {
+    return fmt::format("MultiMNIST CapsNet ({} primary capsules, {}x{} input)", o_.model.num_primary_caps(),
+                       o_.model.image_size, o_.model.image_size);
+  }
+  TaskLoss loss(const Batch& rows) override {
+    const auto& images = rows[0];
+    const auto& labels = rows[1];
+    auto f = forward_pair(model_, images, labels);
+    auto l = multimnist_loss(o_.model, f, labels, rows[2]);
+    auto found = both_found(f.out.lengths.detach(), labels).to(torch::kFloat64).mean();
+    return {l.total, {{"margin_loss", l.margin}, {"reconstruction_loss", l.reconstruction}, {"accuracy", found}}};
+  }
+
+ private:
+  MultiMnistEval evaluate_test(std::ostream* progress) override {
+    return evaluate_multimnist(model_, *test_, o_.test_size, o_.eval_batch_size, progress);
+  }
   models::CapsNet model_{nullptr};
+};
+
+/// The baseline CNN: a sigmoid per class, its two largest logits are its answer.
+class MultiMnistCnnTask : public MultiMnistTaskBase {
+ public:
+  using MultiMnistTaskBase::MultiMnistTaskBase;
+
+  std::string name() const override { return "multimnist-cnn"; }
+  std::shared_ptr<torch::nn::Module> build_model(nn::Precision precision) override {
+    model_ = models::BaselineCnn(o_.cnn);
+    model_->set_precision(precision);
+    return model_.ptr();
+  }
+  nlohmann::json model_config() const override { return o_.cnn.to_json(); }
+  std::string describe() const override {
+    return fmt::format("MultiMNIST baseline CNN ({}x{} input, multi-label sigmoid outputs)", o_.cnn.image_size,
+                       o_.cnn.image_size);
+  }
+  TaskLoss loss(const Batch& rows) override {
+    const auto& labels = rows[1];
+    auto logits = model_(rows[0]);  // [B, K]; dropout active (training)
+    auto found = both_found(logits.detach(), labels).to(torch::kFloat64).mean();
+    return {multimnist_cnn_loss(logits, labels), {{"accuracy", found}}};
+  }
+
+ private:
+  MultiMnistEval evaluate_test(std::ostream* progress) override {
+    return evaluate_multimnist(model_, *test_, o_.test_size, o_.eval_batch_size, progress);
+  }
+  models::BaselineCnn model_{nullptr};
 };
 
 }  // namespace
@@ -230,7 +331,8 @@ LoopOptions MultiMnistTrainOptions::loop_options() const {
   l.seed = seed;
   l.checkpoint_every = checkpoint_every;
   l.log_every = log_every;
-  l.evaluate_each_epoch = false;  // the test pairs are evaluated once, at the end
+  l.evaluate_each_epoch = false;  // the test pairs are evaluated at the end (and every eval_every steps)
+  l.eval_every = eval_every;
   l.resume = resume;
   l.progress = progress;
   l.precision = nn::parse_precision(precision);
@@ -241,17 +343,25 @@ MultiMnistTrainResult train_multimnist(const MultiMnistTrainOptions& options, co
                                        const data::MultiMnist* test_pairs, std::ostream& log,
                                        std::shared_ptr<ProcessGroup> group) {
   options.validate();
-  check_pairs_fit(options.model, train_pairs, "training");
-  if (test_pairs && options.test_size > 0) check_pairs_fit(options.model, *test_pairs, "test");
-  MultiMnistTask task(options, train_pairs, test_pairs);
-  auto r = run(task, options.loop_options(), log, std::move(group));
+  const bool cnn = options.which == MultiMnistModel::kCnn;
+  for (const auto* pairs : {&train_pairs, test_pairs && options.test_size > 0 ? test_pairs : nullptr}) {
+    if (!pairs) continue;
+    const char* what = pairs == &train_pairs ? "training" : "test";
+    cnn ? check_pairs_fit(options.cnn, *pairs, what) : check_pairs_fit(options.model, *pairs, what);
+  }
+  std::unique_ptr<MultiMnistTaskBase> task;
+  if (cnn)
+    task = std::make_unique<MultiMnistCnnTask>(options, train_pairs, test_pairs);
+  else
+    task = std::make_unique<MultiMnistTask>(options, train_pairs, test_pairs);
+  auto r = run(*task, options.loop_options(), log, std::move(group));
   MultiMnistTrainResult result;
   result.steps = r.end_step;
   result.images_seen = r.images;
   result.seconds = r.seconds;
   result.images_per_second = r.images_per_second;
   result.losses = std::move(r.losses);
-  result.test = std::move(task.last_);
+  result.test = std::move(task->last_);
   result.checkpoint = r.checkpoint;
   if (!result.losses.empty()) {
     auto mean = [](const std::vector<double>& v) {

@@ -12,13 +12,25 @@
 #include <vector>
 
 #include "capsnet/data/multimnist.h"
+#include "capsnet/models/baseline_cnn.h"
 #include "capsnet/models/capsnet.h"
 #include "capsnet/train/loop.h"
 
 namespace capsnet::train {
 
+/// Which model a MultiMNIST run trains.
+enum class MultiMnistModel {
+  kCapsNet,  // the paper's CapsNet: two-target margin loss, each digit reconstructed from its capsule
+  kCnn,      // the baseline CNN (models/baseline_cnn.h) with a sigmoid per class: multi-label BCE
+};
+/// "capsnet" | "cnn"; parse_multimnist_model throws std::invalid_argument naming the text.
+const char* multimnist_model_name(MultiMnistModel model);
+MultiMnistModel parse_multimnist_model(const std::string& name);
+
 struct MultiMnistTrainOptions {
+  MultiMnistModel which = MultiMnistModel::kCapsNet;
   models::CapsNetConfig model;  // image_size must be the generator's canvas side (36 for MNIST)
+  models::BaselineCnnConfig cnn;  // with which == kCnn; image_size likewise the canvas side
   std::string out_dir = "runs/multimnist";  // checkpoint.pt and metrics.jsonl go here
   int64_t steps = 1000;
   int64_t batch_size = 50;
@@ -28,6 +40,7 @@ struct MultiMnistTrainOptions {
   int64_t log_every = 50;     // steps between "train" metric records
   int64_t checkpoint_every = 0;  // steps; 0 = only at the end
   int64_t test_size = 10000;  // generated test pairs evaluated at the end (0 = none)
+  int64_t eval_every = 0;     // > 0: also evaluate the test pairs every this many steps (a learning curve)
   int64_t eval_batch_size = 100;
   bool progress = true;
   bool fused_routing = true;
@@ -66,6 +79,11 @@ MultiMnistForward forward_pair(models::CapsNet& model, const torch::Tensor& imag
 MultiMnistLoss multimnist_loss(const models::CapsNetConfig& config, const MultiMnistForward& f,
                                const torch::Tensor& labels, const torch::Tensor& digits);
 
+/// The CNN baseline's loss: a sigmoid per class against the two-hot target (both classes present),
+/// binary cross-entropy summed over the K classes and averaged over the batch. logits: [B, K];
+/// labels: [B, 2] (a != b). Scores for both_found are the logits.
+torch::Tensor multimnist_cnn_loss(const torch::Tensor& logits, const torch::Tensor& labels);
+
 /// The two longest capsules, longest first. lengths: [B, K] (K >= 2) -> [B, 2] int64.
 torch::Tensor two_longest(const torch::Tensor& lengths);
 
@@ -85,6 +103,9 @@ struct MultiMnistEval {
 /// Evaluates on examples 0 .. count - 1 of `pairs` in batches, without gradients.
 MultiMnistEval evaluate_multimnist(models::CapsNet& model, const data::MultiMnist& pairs, int64_t count,
                                    int64_t batch_size, std::ostream* progress = nullptr);
+/// The same for the CNN baseline: its two largest logits are its two digits; loss = multimnist_cnn_loss.
+MultiMnistEval evaluate_multimnist(models::BaselineCnn& model, const data::MultiMnist& pairs, int64_t count,
+                                   int64_t batch_size, std::ostream* progress = nullptr);
 
 struct MultiMnistTrainResult {
   int64_t steps = 0;        // steps taken in total (including those before a resume)
@@ -96,9 +117,9 @@ struct MultiMnistTrainResult {
   std::string checkpoint;        // path of the checkpoint written at the end
 };
 
-/// Trains a CapsNet with Adam on pairs 0 .. steps * batch_size - 1 of `train_pairs` (step s uses
-/// examples [s * B, (s + 1) * B): never a repeated pair below 60M images when the source is MNIST's
-/// train split), then evaluates on the first options.test_size pairs of `test_pairs` (may be null).
+/// Trains the model options.which names (a CapsNet or the baseline CNN) with Adam on pairs
+/// 0 .. steps * batch_size - 1 of `train_pairs` (step s uses examples [s * B, (s + 1) * B): never a
+/// repeated pair below 60M images when the source is MNIST's train split), then evaluates on the first options.test_size pairs of `test_pairs` (may be null).
 /// Runs on the one loop (loop.h): OUT/metrics.jsonl, OUT/checkpoint.pt, exact resume, and data
 /// parallelism over `group`. Throws TrainingDiverged when the loss stops being finite.
 MultiMnistTrainResult train_multimnist(const MultiMnistTrainOptions& options, const data::MultiMnist& train_pairs,
