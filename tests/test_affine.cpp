@@ -16,20 +16,13 @@
 #include "capsnet/models/capsnet.h"
 #include "capsnet/viz/png.h"
 #include "test_helpers.h"
+#include "tiny_configs.h"
 
 namespace capsnet {
 namespace {
 
 models::BaselineCnnConfig small_cnn(int64_t side = 12, bool pooling = true) {
-  models::BaselineCnnConfig c;
-  c.image_size = side;
-  c.conv1_channels = 6;
-  c.conv2_channels = 5;
-  c.conv3_channels = 4;
-  c.fc1_units = 16;
-  c.fc2_units = 12;
-  c.pooling = pooling;
-  return c;
+  return testing::tiny_cnn_config(side, pooling);
 }
 
 /// Digit-like synthetic images: black background, strokes and a soft blob inside the central 20x20
@@ -446,11 +439,24 @@ TEST(AffineCliTest, EpochModeEvaluatesEveryEpochStopsAtTheTargetAndResumes) {
   // The epoch-end evaluation is the final report's translated-test accuracy (same weights, same set).
   EXPECT_EQ(curve.back()["accuracy"], row["translated_mnist_accuracy"]);
 
+  // A part stopped by a signal writes no "end" record: drop it, as a killed run would have.
+  const std::string model_metrics = out + "/cnn/metrics.jsonl";
+  std::string kept;
+  {
+    std::ifstream in(model_metrics);
+    for (std::string line; std::getline(in, line);)
+      if (nlohmann::json::parse(line).at("event") != "end") kept += line + "\n";
+  }
+  std::ofstream(model_metrics) << kept;
+
   // One more epoch, continued exactly from the checkpoint: the curve keeps its first two points.
   auto resumed = testing::run_command(cli + common + " --epochs 3 --target-accuracy 1 --resume");
   ASSERT_EQ(resumed.status, 0) << resumed.output;
   auto row2 = read_json(out + "/affine.json")["results"][0];
   EXPECT_EQ(row2["steps"], 6);
+  // The first part's 2 epochs still count (from its last "train" record), plus the third's.
+  EXPECT_GT(row2["train_seconds"].get<double>(), row["train_seconds"].get<double>());
+  EXPECT_EQ(row2["training_images_seen"], 48);
   ASSERT_EQ(row2["epoch_curve"].size(), 3u);
   EXPECT_EQ(row2["epoch_curve"][1], curve[1]);
 

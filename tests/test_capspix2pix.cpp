@@ -15,6 +15,7 @@
 #include "capsnet/viz/png.h"
 #include "gradcheck.h"
 #include "test_helpers.h"
+#include "tiny_configs.h"
 
 namespace {
 
@@ -39,23 +40,7 @@ capsnet::data::ImageSet blob_set(int64_t n, uint64_t seed) {
 }
 
 /// A configuration small enough for milliseconds per step (S = 16).
-Pix2pixConfig tiny(const std::string& generator) {
-  Pix2pixConfig c;
-  c.generator = generator;
-  c.image_size = 16;
-  c.z_dim = 2;
-  c.stem_channels = 4;
-  c.primary_types = 2;
-  c.primary_atoms = 3;
-  c.types = 2;
-  c.atoms = 3;
-  c.out_atoms = 4;
-  c.kernel = 3;
-  c.routing_iterations = 2;
-  c.cnn_channels = 4;
-  c.disc_channels = 4;
-  return c;
-}
+Pix2pixConfig tiny(const std::string& generator) { return capsnet::testing::tiny_pix2pix_config(generator); }
 
 LabelMapOptions maps16() {
   LabelMapOptions o;

@@ -20,6 +20,7 @@
 #include "capsnet/train/em.h"
 #include "gradcheck.h"
 #include "test_helpers.h"
+#include "tiny_configs.h"
 
 namespace capsnet {
 namespace {
@@ -45,14 +46,7 @@ RoutingInputs make_inputs(int64_t B, int64_t I, int64_t J, int64_t D, uint64_t s
   return in;
 }
 
-models::MatrixCapsNetConfig tiny_em_config() {
-  models::MatrixCapsNetConfig c;
-  c.conv1_channels = 8;
-  c.primary_types = 4;
-  c.conv1_caps_types = 4;
-  c.conv2_caps_types = 4;
-  return c;
-}
+using testing::tiny_em_config;
 
 void expect_close(const torch::Tensor& a, const torch::Tensor& b, double tol, const std::string& what) {
   ASSERT_EQ(a.sizes(), b.sizes()) << what;

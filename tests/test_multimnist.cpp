@@ -18,6 +18,7 @@
 #include "capsnet/train/trainer.h"
 #include "capsnet/viz/png.h"
 #include "test_helpers.h"
+#include "tiny_configs.h"
 
 namespace capsnet {
 namespace {
@@ -512,25 +513,13 @@ TEST(MultiMnistCnnTest, LossIsBinaryCrossEntropyPerClassSummedAndAveragedOverThe
   EXPECT_NE(error_of([] { train::parse_multimnist_model("resnet"); }).find("resnet"), std::string::npos);
 }
 
-/// A narrow baseline CNN for the tiny 12x12 pairs.
-models::BaselineCnnConfig tiny_cnn() {
-  models::BaselineCnnConfig c;
-  c.image_size = 12;
-  c.conv1_channels = 8;
-  c.conv2_channels = 8;
-  c.conv3_channels = 4;
-  c.fc1_units = 16;
-  c.fc2_units = 16;
-  return c;
-}
-
 TEST(MultiMnistCnnTest, TrainsEvaluatesEveryNStepsAndItsCheckpointHoldsTheEvaluatedWeights) {
   OneThread one_thread;
   TinySetup s;
   TempDir dir;
   train::MultiMnistTrainOptions o;
   o.which = train::MultiMnistModel::kCnn;
-  o.cnn = tiny_cnn();
+  o.cnn = testing::tiny_cnn_config(12);
   o.out_dir = dir / "run";
   o.steps = 30;
   o.batch_size = 16;

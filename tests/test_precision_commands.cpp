@@ -24,6 +24,7 @@
 #include "capsnet/train/segcaps.h"
 #include "gradcheck.h"
 #include "test_helpers.h"
+#include "tiny_configs.h"
 
 namespace capsnet {
 namespace {
@@ -126,11 +127,7 @@ TEST(ConvTranspose2dAt, Bf16MatchesATensTransposedConvolutionInValuesAndGradient
 // Small, but with the default 32 Conv1 channels: PrimaryCaps' convolutions have conv2d_at's "many input
 // channels" (kBatchSwappedMinInChannels).
 models::MatrixCapsNetConfig em_config() {
-  models::MatrixCapsNetConfig c;
-  c.conv1_channels = 32;
-  c.primary_types = 4;
-  c.conv1_caps_types = 4;
-  c.conv2_caps_types = 4;
+  auto c = testing::tiny_em_config(32);
   c.routing_iterations = 2;
   return c;
 }
@@ -205,19 +202,8 @@ TEST(EmPrecision, CheckpointOfABf16RunLoadsIntoAnFp32Model) {
 // ---- SegCaps -------------------------------------------------------------------------------------
 
 models::SegCapsConfig segcaps_config(int64_t image_size = 12) {
-  models::SegCapsConfig c;
-  c.image_size = image_size;
-  c.stem_channels = 4;
-  c.stem_kernel = 3;
-  c.primary_types = 2;
-  c.primary_atoms = 3;
-  c.types = 2;
-  c.low_atoms = 3;
-  c.high_atoms = 4;
-  c.kernel = 3;
-  c.seg_atoms = 4;
-  c.recon_weight = 0.5;  // the decoder's 1x1 convolutions too (the paper's 64 and 128 channels)
-  return c;
+  // recon_weight 0.5: the decoder's 1x1 convolutions too (the paper's 64 and 128 channels).
+  return testing::tiny_segcaps_config(image_size, 0.5);
 }
 
 TEST(SegCapsPrecision, Bf16ForwardIsCloseToFp32WithTheSameWeights) {
@@ -296,21 +282,7 @@ TEST(SegCapsPrecision, CheckpointOfABf16RunLoadsIntoAnFp32Model) {
 // Small, S = 16, but 32 discriminator and 16 CNN channels: D's second and third and the U-net's third
 // and fourth convolutions have conv2d_at's "many input channels" (kBatchSwappedMinInChannels).
 models::Pix2pixConfig pix2pix_config(const std::string& generator) {
-  models::Pix2pixConfig c;
-  c.generator = generator;
-  c.image_size = 16;
-  c.z_dim = 2;
-  c.stem_channels = 4;
-  c.primary_types = 2;
-  c.primary_atoms = 3;
-  c.types = 2;
-  c.atoms = 3;
-  c.out_atoms = 4;
-  c.kernel = 3;
-  c.routing_iterations = 2;
-  c.cnn_channels = 16;
-  c.disc_channels = 32;
-  return c;
+  return testing::tiny_pix2pix_config(generator, /*cnn_channels=*/16, /*disc_channels=*/32);
 }
 
 data::LabelMapOptions maps16() {

@@ -15,6 +15,7 @@
 #include "capsnet/train/segcaps.h"
 #include "gradcheck.h"
 #include "test_helpers.h"
+#include "tiny_configs.h"
 
 namespace {
 
@@ -318,20 +319,7 @@ TEST(SegCapsData, DiceValues) {
 // ---- model --------------------------------------------------------------------------------------
 
 namespace {
-capsnet::models::SegCapsConfig tiny_segcaps() {
-  capsnet::models::SegCapsConfig c;
-  c.image_size = 12;
-  c.stem_channels = 4;
-  c.stem_kernel = 3;
-  c.primary_types = 2;
-  c.primary_atoms = 3;
-  c.types = 2;
-  c.low_atoms = 3;
-  c.high_atoms = 4;
-  c.kernel = 3;
-  c.seg_atoms = 4;
-  return c;
-}
+capsnet::models::SegCapsConfig tiny_segcaps() { return capsnet::testing::tiny_segcaps_config(); }
 }  // namespace
 
 TEST(SegCapsModel, ShapesFusedEqualsCompositeAndTrains) {

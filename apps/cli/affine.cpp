@@ -86,21 +86,34 @@ SubRunLog read_sub_run(const std::string& run_dir) {
   SubRunLog log;
   std::ifstream in(train::metrics_path(run_dir));
   std::string line;
+  // Each part (a "start" record) adds its training seconds. A part stopped by a signal writes no "end":
+  // its seconds come from its last "train" record, whose images_per_second is this part's images over
+  // its training seconds (so steps after its last checkpoint, redone by the resume, count as spent).
+  double part_seconds = 0;
+  int64_t part_first_image = 0;
   while (std::getline(in, line)) {
     const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (!j.is_object() || !j.contains("event")) continue;
     const auto event = j["event"];
-    if (event == "train") {
+    if (event == "start") {
+      log.seconds += part_seconds;
+      part_seconds = 0;
+      const auto train = j.value("train", nlohmann::json::object());
+      part_first_image = j.value("step", int64_t{0}) * train.value("batch_size", int64_t{0});
+    } else if (event == "train") {
       log.images = j.value("images_seen", log.images);
+      const double rate = j.value("images_per_second", 0.0);
+      if (rate > 0) part_seconds = static_cast<double>(log.images - part_first_image) / rate;
     } else if (event == "eval") {
       log.curve.push_back({{"epoch", j.value("epoch", 0.0)}, {"step", j.value("step", 0)},
                            {"accuracy", j.value("accuracy", 0.0)}});
     } else if (event == "end") {
       log.step = j.value("step", log.step);
-      log.seconds += j.value("seconds", 0.0);
+      part_seconds = j.value("seconds", part_seconds);
       log.target_reached = j.value("target_reached", false);
     }
   }
+  log.seconds += part_seconds;
   return log;
 }
 
