@@ -38,6 +38,32 @@ TEST(Precision, ParsesNamesAndRefusesBadOnes) {
   EXPECT_EQ(nn::precision_name(Precision::kBFloat16), "bf16");
 }
 
+TEST(Precision, NumericPaddingReadsBothConvolutionKindsAndRefusesSymbolicPadding) {
+  using torch::nn::Conv2dOptions;
+  using torch::nn::ConvTranspose2dOptions;
+  // The modules hold their options as detail::ConvNdOptions<2>, which is what numeric_padding reads.
+  const auto p = nn::numeric_padding(torch::nn::Conv2d(Conv2dOptions(3, 4, 5).padding({1, 2}))->options, "test");
+  EXPECT_EQ(p->at(0), 1);
+  EXPECT_EQ(p->at(1), 2);
+  EXPECT_EQ(nn::numeric_padding(torch::nn::ConvTranspose2d(ConvTranspose2dOptions(3, 4, 4).padding(1))->options, "test")
+                ->at(1),
+            1);
+  for (const auto& bad : {Conv2dOptions(3, 4, 3).padding(torch::kSame),
+                          Conv2dOptions(3, 4, 3).padding(1).padding_mode(torch::kReflect)}) {
+    try {
+      nn::numeric_padding(torch::nn::Conv2d(bad)->options, "who_called");
+      ADD_FAILURE() << "symbolic padding or a non-zero padding mode was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("who_called: only numeric zero padding"), std::string::npos) << e.what();
+    }
+  }
+  // conv2d_at's bf16 path takes raw geometry, so a "same" convolution is refused there (fp32 runs it).
+  torch::nn::Conv2d same(Conv2dOptions(2, 3, 3).padding(torch::kSame));
+  EXPECT_EQ(nn::conv2d_at(same, torch::rand({1, 2, 5, 5}), Precision::kFloat32).sizes(),
+            (std::vector<int64_t>{1, 3, 5, 5}));
+  EXPECT_THROW(nn::conv2d_at(same, torch::rand({1, 2, 5, 5}), Precision::kBFloat16), c10::Error);
+}
+
 TEST(Precision, Bf16ConvAndLinearMatchFp32WithinBf16Rounding) {
   SKIP_WITHOUT_BF16();
   torch::manual_seed(0);

@@ -27,9 +27,7 @@ torch::Tensor conv_at(torch::nn::Conv2d& conv, const torch::Tensor& x, nn::Preci
 torch::Tensor conv_at(torch::nn::ConvTranspose2d& deconv, const torch::Tensor& x, nn::Precision precision) {
   if (precision == nn::Precision::kFloat32) return deconv->forward(x);
   const auto& o = deconv->options;
-  // padding is c10::variant in LibTorch 1.13 and std::variant in 2.x: `get` found by ADL serves both.
-  using std::get;
-  const torch::ExpandingArray<2> padding = get<0>(o.padding());
+  const auto padding = nn::numeric_padding(o, "conv_at");
   TORCH_CHECK(o.dilation()->at(0) == 1 && o.dilation()->at(1) == 1, "conv_at: transposed convolutions take dilation 1");
   return nn::conv_transpose2d_at(x, deconv->weight, deconv->bias, o.stride(), padding, o.output_padding(), o.groups(),
                                  precision);

@@ -1,5 +1,7 @@
 #include "capsnet/nn/blocked_conv.h"
 
+#include "capsnet/nn/precision.h"
+
 #include <variant>
 
 namespace capsnet::nn {
@@ -7,11 +9,6 @@ namespace {
 
 std::vector<int64_t> pair_of(const torch::ExpandingArray<2>& a) { return {a->at(0), a->at(1)}; }
 
-std::vector<int64_t> numeric_padding(const torch::nn::detail::ConvNdOptions<2>& o) {
-  // padding is c10::variant in LibTorch 1.13 and std::variant in 2.x: `get` found by ADL serves both.
-  using std::get;
-  return pair_of(get<0>(o.padding()));
-}
 
 }  // namespace
 
@@ -39,7 +36,8 @@ torch::Tensor BlockedConvWeights::forward(const torch::nn::Conv2d& conv, const t
                                           torch::ScalarType dtype) {
   TORCH_CHECK(usable(conv, x, dtype), "BlockedConvWeights: this convolution cannot run blocked here");
   const auto& o = conv->options;
-  const auto padding = numeric_padding(o), stride = pair_of(o.stride()), dilation = pair_of(o.dilation());
+  const auto padding = pair_of(numeric_padding(o, "BlockedConvWeights"));
+  const auto stride = pair_of(o.stride()), dilation = pair_of(o.dilation());
   const auto& w = conv->weight;
   const auto& b = conv->bias;
   torch::Tensor weight, bias;

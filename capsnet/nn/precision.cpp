@@ -38,10 +38,16 @@ Precision parse_precision(const std::string& name) {
 
 std::string precision_name(Precision precision) { return precision == Precision::kBFloat16 ? "bf16" : "fp32"; }
 
+torch::ExpandingArray<2> numeric_padding(const torch::nn::detail::ConvNdOptions<2>& o, const char* who) {
+  TORCH_CHECK(o.padding().index() == 0 && o.padding_mode().index() == 0, who,
+              ": only numeric zero padding is supported");
+  using std::get;  // found by ADL for c10::variant too
+  return get<0>(o.padding());
+}
+
 bool use_batch_swapped_weight_grad(const torch::nn::detail::ConvNdOptions<2>& o, int64_t in_h, int64_t in_w) {
   if (o.groups() != 1 || o.in_channels() < kBatchSwappedMinInChannels || o.padding().index() != 0) return false;
-  using std::get;
-  const torch::ExpandingArray<2> padding = get<0>(o.padding());
+  const auto padding = numeric_padding(o, "use_batch_swapped_weight_grad");
   auto out = [&](int64_t in, int d) {
     return (in + 2 * padding->at(d) - o.dilation()->at(d) * (o.kernel_size()->at(d) - 1) - 1) / o.stride()->at(d) + 1;
   };
@@ -55,11 +61,7 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Prec
   const auto x = x_in.is_mkldnn() ? x_in.to_dense() : x_in;
   if (precision == Precision::kFloat32) return conv->forward(x);
   const auto& o = conv->options;
-  // padding is c10::variant in LibTorch 1.13 and std::variant in 2.x: `get` found by ADL serves both.
-  TORCH_CHECK(o.padding().index() == 0 && o.padding_mode().index() == 0,
-              "conv2d_at: only numeric zero padding is supported");
-  using std::get;
-  const torch::ExpandingArray<2> padding = get<0>(o.padding());
+  const auto padding = numeric_padding(o, "conv2d_at");
   const auto xc = x.to(dtype), w = conv->weight.to(dtype), b = conv->bias.defined() ? conv->bias.to(dtype) : conv->bias;
   // Many input channels and a small output: oneDNN's bf16 weight gradient is ~2x slower than the same
   // FLOPs as a forward convolution (measured, docs/kernels.md), so the weight gradient runs

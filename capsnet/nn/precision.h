@@ -37,6 +37,12 @@ constexpr int64_t kBatchSwappedMinInChannels = 32;
 /// the baseline CNN's 10 x 10 and 20 x 20 (5 x 5 kernels, stride 1) 1.9x and 2.6x slower.
 constexpr int64_t kBatchSwappedMaxOutputArea = 64;
 
+/// A convolution's numeric zero padding, per spatial dim. Throws c10::Error naming `who` for "same" /
+/// "valid" padding or a padding mode other than zeros (the paths that take raw geometry support
+/// neither). The options hold a c10::variant in LibTorch 1.13 and a std::variant in 2.x; this is
+/// the one place that tells them apart.
+torch::ExpandingArray<2> numeric_padding(const torch::nn::detail::ConvNdOptions<2>& options, const char* who);
+
 /// Whether conv2d_at's bf16 path computes the weight gradient of `conv` on an input of spatial size
 /// in_h x in_w batch-swapped (groups 1, enough input channels, a small output).
 bool use_batch_swapped_weight_grad(const torch::nn::detail::ConvNdOptions<2>& options, int64_t in_h, int64_t in_w);
