@@ -123,6 +123,64 @@ TEST(EmRouting, GradcheckFloat64) {
   EXPECT_TRUE(testutil::gradcheck(fn, in.all()));
 }
 
+TEST(EmRouting, StandardizedCostMatchesReferenceAndGradcheck) {
+  // standardize_cost (not in the paper): the fast path == the loop reference in values and gradients
+  // (float64), for both logit-offset forms and both cost scalings, and finite differences agree.
+  ScopedThreads one(1);
+  for (const bool outside : {true, false})
+    for (const bool normalize : {true, false}) {
+      EmRoutingOptions opt;
+      opt.standardize_cost = true;
+      opt.inverse_temperature = {1.0, 2.0, 3.0};
+      opt.logit_offset_outside_lambda = outside;
+      opt.normalize_cost = normalize;
+      const std::string tag = fmt::format("offset {}, {} cost", outside ? "outside" : "inside",
+                                          normalize ? "normalised" : "paper");
+      auto in = make_inputs(2, 5, 3, 4, 17, true);
+      auto fast = em_routing(in.votes, in.a, in.beta_u, in.beta_a, opt);
+      auto ref = detail::reference_em_routing(in.votes, in.a, in.beta_u, in.beta_a, opt);
+      expect_close(fast.poses, ref.poses, 1e-10, tag + " poses");
+      expect_close(fast.activations, ref.activations, 1e-10, tag + " activations");
+      auto Rp = torch::randn_like(fast.poses), Ra = torch::randn_like(fast.activations);
+      auto gf = torch::autograd::grad({(fast.poses * Rp).sum() + (fast.activations * Ra).sum()}, in.all());
+      auto gr = torch::autograd::grad({(ref.poses * Rp).sum() + (ref.activations * Ra).sum()}, in.all());
+      const char* names[] = {"votes", "activations_in", "beta_u", "beta_a"};
+      for (size_t k = 0; k < gf.size(); ++k) {
+        EXPECT_GT(gr[k].abs().max().item<double>(), 1e-6) << tag << " gradient of " << names[k] << " is zero";
+        expect_close(gf[k], gr[k], 1e-9, tag + " gradient of " + names[k]);
+      }
+      auto small = make_inputs(1, 4, 3, 3, 19, true);
+      auto fn = [&](const std::vector<torch::Tensor>& x) {
+        auto r = em_routing(x[0], x[1], x[2], x[3], opt);
+        return torch::cat({r.poses.flatten(), r.activations.flatten()});
+      };
+      EXPECT_TRUE(testutil::gradcheck(fn, small.all())) << tag;
+    }
+}
+
+TEST(EmRouting, StandardizedCostsHaveZeroMeanAndUnitVarianceOverParents) {
+  // With the offset outside lambda, c_j = (beta_a_j - logit(a_j)) / lambda is the standardised cost:
+  // over the J parents of each problem its mean is 0 and its mean square 1, whatever the scale of the
+  // votes (x1 and x100: the logits' spread does not grow with the pose scale). Without it the paper's
+  // cost scales with log sigma. J = 1: c = 0, so a = logistic(beta_a).
+  ScopedThreads one(1);
+  EmRoutingOptions opt;
+  opt.standardize_cost = true;
+  opt.inverse_temperature = {1.0, 1.0, 2.0};
+  auto in = make_inputs(3, 9, 5, 16, 23, false);
+  for (const double scale : {1.0, 100.0}) {
+    auto r = em_routing(scale * in.votes, in.a, in.beta_u, in.beta_a, opt);
+    auto c = (in.beta_a.view({1, 5}) - torch::logit(r.activations)) / 2.0;  // [B, J]
+    expect_close(c.mean(1), torch::zeros({3}, torch::kDouble), 1e-9, fmt::format("mean, scale {}", scale));
+    expect_close(c.pow(2).mean(1), torch::ones({3}, torch::kDouble), 1e-5, fmt::format("mean square, scale {}", scale));
+  }
+  auto one_parent = make_inputs(2, 6, 1, 4, 29, false);
+  auto r = em_routing(one_parent.votes, one_parent.a, one_parent.beta_u, one_parent.beta_a, opt);
+  expect_close(r.activations, torch::sigmoid(one_parent.beta_a).expand({2, 1}), 1e-12, "J = 1");
+  opt.cost_std_eps = 0;
+  EXPECT_THROW(em_routing(in.votes, in.a, in.beta_u, in.beta_a, opt), std::invalid_argument);
+}
+
 TEST(EmRouting, ActivationsInOpenUnitIntervalAndFinite) {
   ScopedThreads one(1);
   auto in = make_inputs(3, 12, 5, 16, 5, false);
@@ -533,6 +591,33 @@ TEST(MatrixCaps, CrossWindowRoutingMatchesLoopReference) {
   }
 }
 
+TEST(MatrixCaps, StandardizedCostConvCapsMatchesLoopReference) {
+  // standardize_cost in a convolutional layer: per window over its C parents, cross-window and
+  // per-window, == the loop reference in values and gradients (float64).
+  ScopedThreads one(1);
+  for (const bool cross : {true, false}) {
+    EmRoutingOptions routing;
+    routing.standardize_cost = true;
+    routing.inverse_temperature = {1.0, 1.0, 1.0};
+    auto conv = small_conv(3, 1, cross, routing, 33);
+    const std::string tag = cross ? "cross-window" : "per-window";
+    auto poses = (0.5 * torch::randn({1, 4, 4, 2, 16}, torch::kDouble)).requires_grad_(true);
+    auto acts = (0.1 + 0.8 * torch::rand({1, 4, 4, 2}, torch::kDouble)).requires_grad_(true);
+    nn::MatrixCaps in{poses, acts};
+    auto fast = conv->forward(in);
+    auto [V, a] = conv->votes(in);
+    auto ref =
+        nn::detail::reference_conv_em_routing(V, a, conv->beta_u, conv->beta_a, routing, conv->geometry(in), cross);
+    expect_close(fast.poses.reshape({-1, 2, 16}), ref.poses, 1e-10, tag + " poses");
+    expect_close(fast.activations.reshape({-1, 2}), ref.activations, 1e-10, tag + " activations");
+    const std::vector<torch::Tensor> wrt = {poses, acts, conv->weight, conv->beta_u, conv->beta_a};
+    auto Ra = torch::randn_like(ref.activations);
+    auto gf = torch::autograd::grad({(fast.poses.reshape({-1, 2, 16})).sum() + (fast.activations.reshape({-1, 2}) * Ra).sum()}, wrt);
+    auto gr = torch::autograd::grad({ref.poses.sum() + (ref.activations * Ra).sum()}, wrt);
+    for (size_t k = 0; k < wrt.size(); ++k) expect_close(gf[k], gr[k], 1e-9, tag + fmt::format(" gradient {}", k));
+  }
+}
+
 TEST(MatrixCaps, CrossWindowEqualsPerWindowWithoutOverlap) {
   // Stride = kernel: every child is in at most one window, so both normalisations are the same.
   ScopedThreads one(1);
@@ -585,12 +670,15 @@ TEST(MatrixCaps, ConfigWithoutIssue14KeysKeepsTheOldRouting) {
 
   // A config (or checkpoint) written before issue 14 has none of the new keys: it means the old routing.
   auto json = tiny_em_config().to_json();
-  for (const char* key : {"lambda_schedule", "lambda_base", "logit_offset_outside_lambda", "cross_window_routing"})
+  for (const char* key :
+       {"lambda_schedule", "lambda_base", "logit_offset_outside_lambda", "cross_window_routing", "standardize_cost"})
     ASSERT_EQ(json.erase(key), 1u) << key;
   const auto old = models::MatrixCapsNetConfig::from_json(json);
   EXPECT_EQ(old.lambda_schedule, "linear");
   EXPECT_FALSE(old.logit_offset_outside_lambda);
   EXPECT_FALSE(old.cross_window_routing);
+  EXPECT_FALSE(old.standardize_cost);
+  EXPECT_FALSE(old.routing().standardize_cost);
   const auto routing = old.routing();
   EXPECT_EQ(routing.inverse_temperature, (std::vector<double>{0.01, 0.01, 0.01}));
   EXPECT_FALSE(routing.logit_offset_outside_lambda);
@@ -773,6 +861,43 @@ TEST(EmCli, TrainsAndEvaluatesOnGeneratedIdx) {
                                        " --batch-size 0 --no-progress");
   EXPECT_NE(bad_size.status, 0);
   EXPECT_NE(bad_size.output.find("batch-size"), std::string::npos) << bad_size.output;
+}
+
+TEST(EmCli, EvalEveryStandardizedCostLambdaBaseAndLrDecayReachTheRun) {
+  // The flags added after issue 14's first runs: --eval-every (test accuracy mid-run), --standardize-cost,
+  // --lambda-base (paper schedule's lambda_0) and --lr-decay (per epoch, smooth per step).
+  testing::TempDir dir;
+  testing::write_fake_mnist(dir / "data", 64, 30);
+  const std::string out = dir / "out";
+  auto r = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "data") + " --out " + out +
+                                " --steps 4 --batch-size 8 --train-size 16 --test-size 10 --eval-every 2 --log-every 1"
+                                " --conv1-channels 4 --primary-types 2 --caps1-types 2 --caps2-types 2"
+                                " --standardize-cost --lambda-base 0.5 --lr-decay 0.5 --threads 1 --no-progress");
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::ifstream in(out + "/em.json");
+  auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["model"]["standardize_cost"], true);
+  EXPECT_EQ(j["model"]["lambda_base"], 0.5);
+  EXPECT_EQ(j["train"]["lr_decay"], 0.5);
+  EXPECT_EQ(j["train"]["eval_every"], 2);
+  std::ifstream metrics(out + "/metrics.jsonl");
+  std::vector<int64_t> eval_steps;
+  std::vector<double> lrs;
+  for (std::string line; std::getline(metrics, line);) {
+    auto rec = nlohmann::json::parse(line);
+    if (rec["event"] == "eval") eval_steps.push_back(rec["step"].get<int64_t>());
+    if (rec["event"] == "train") lrs.push_back(rec["lr"].get<double>());
+  }
+  ASSERT_FALSE(eval_steps.empty());
+  EXPECT_EQ(eval_steps.front(), 2) << "first evaluation after step 2";
+  EXPECT_EQ(eval_steps.back(), 4);
+  ASSERT_EQ(lrs.size(), 4u);
+  EXPECT_DOUBLE_EQ(lrs.front(), 3e-3);  // 2 steps per epoch: 0.5 per epoch is 0.5^(1/2) per step
+  for (size_t k = 1; k < lrs.size(); ++k) EXPECT_NEAR(lrs[k] / lrs[k - 1], std::sqrt(0.5), 1e-9) << k;
+  auto bad = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "data") + " --out " + out +
+                                  " --overwrite --no-progress --lambda-base 0");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.output.find("--lambda-base"), std::string::npos) << bad.output;
 }
 
 }  // namespace

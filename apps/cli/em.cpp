@@ -42,6 +42,8 @@ Subcommand add_em(CLI::App& root) {
   app->add_option("--weight-decay", o.weight_decay, "Adam weight decay (L2)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app->add_option("--lr-decay", o.lr_decay, "Learning rate multiplied by this per epoch, smoothly per step (1 = constant)")
+      ->capture_default_str();
   app->add_option("--margin-start", o.margin_start, "Spread-loss margin at the first step (paper: 0.2)")
       ->check(CLI::Range(0.0, 10.0))
       ->capture_default_str();
@@ -65,6 +67,11 @@ Subcommand add_em(CLI::App& root) {
                   "Inverse temperature per routing iteration t: paper = 0.01 (1 - 0.95^(t+1)) (the authors' "
                   "schedule), linear = --lambda-first .. --lambda-last (before issue 14)")
       ->check(CLI::IsMember({"paper", "linear"}))
+      ->capture_default_str();
+  app->add_option("--lambda-base", m.lambda_base,
+                  "lambda_0 of --lambda-schedule paper: lambda_t = base (1 - 0.95^(t+1)); the authors' 0.01 goes with "
+                  "their cost, 1 with the cost scaled by J/I (the default; see docs/em.md)")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app->add_option("--lambda-first", m.lambda_first,
                   "Inverse temperature of the first routing iteration (--lambda-schedule linear)")
@@ -103,6 +110,12 @@ Subcommand add_em(CLI::App& root) {
   app->add_flag("!--paper-cost", m.normalize_cost,
                 "Use the paper's cost (beta_u + log sigma) * sum_i R_ij; by default sum_i R_ij is scaled by J/I");
   app->add_flag("!--no-coordinate-addition", m.coordinate_addition, "No coordinate addition in the class capsules");
+  app->add_flag("--standardize-cost", m.standardize_cost,
+                "Standardise the costs over the parents of each routing problem before the logistic (not in the "
+                "paper; use with a lambda of order 1, e.g. --lambda-schedule linear --lambda-first 1 --lambda-last 1)");
+  app->add_option("--eval-every", o.eval_every,
+                  "Also evaluate the first --test-size test images every N steps (0 = only at the end)")
+      ->capture_default_str();
   app->add_option("--checkpoint-every", o.checkpoint_every, "Steps between checkpoints (0 = at the end)")
       ->capture_default_str();
   app->add_option("--max-minutes", f->max_minutes,

@@ -23,11 +23,15 @@ EmRoutingOptions MatrixCapsNetConfig::routing() const {
                               : inverse_temperature_schedule(routing_iterations, lambda_first, lambda_last);
   o.logit_offset_outside_lambda = logit_offset_outside_lambda;
   o.normalize_cost = normalize_cost;
+  o.standardize_cost = standardize_cost;
   return o;
 }
 
 nlohmann::json MatrixCapsNetConfig::legacy_defaults() {
-  return {{"lambda_schedule", "linear"}, {"logit_offset_outside_lambda", false}, {"cross_window_routing", false}};
+  return {{"lambda_schedule", "linear"},
+          {"logit_offset_outside_lambda", false},
+          {"cross_window_routing", false},
+          {"standardize_cost", false}};
 }
 
 MatrixCapsNetConfig MatrixCapsNetConfig::from_json(const nlohmann::json& j) {

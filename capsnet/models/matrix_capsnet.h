@@ -43,10 +43,14 @@ struct MatrixCapsNetConfig {
   // nn::ConvMatrixCapsOptions::cross_window: a child's R sums to 1 over all parents of all its windows.
   bool cross_window_routing = true;
   bool normalize_cost = true;  // EmRoutingOptions::normalize_cost (not in the paper; see em_routing.h)
+  // EmRoutingOptions::standardize_cost: costs standardised over the parents of each routing problem
+  // before the logistic (not in the paper; needs lambda of order 1, see docs/em.md).
+  bool standardize_cost = false;
   bool coordinate_addition = true;
 
   /// The values a stored config without the issue-14 keys means (the model as it was before them):
-  /// lambda_schedule "linear", logit_offset_outside_lambda false, cross_window_routing false.
+  /// lambda_schedule "linear", logit_offset_outside_lambda false, cross_window_routing false; and
+  /// standardize_cost false for a config written before that key.
   static nlohmann::json legacy_defaults();
   /// A config from JSON (e.g. a checkpoint's): a missing issue-14 key takes its legacy_defaults() value,
   /// any other missing key its default; unknown keys throw (the derived "grid_sides" is ignored).
@@ -81,6 +85,7 @@ struct MatrixCapsNetConfig {
     f("logit_offset_outside_lambda", c.logit_offset_outside_lambda);
     f("cross_window_routing", c.cross_window_routing);
     f("normalize_cost", c.normalize_cost);
+    f("standardize_cost", c.standardize_cost);
     f("coordinate_addition", c.coordinate_addition);
   }
   nlohmann::json to_json() const;

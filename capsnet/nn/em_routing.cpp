@@ -81,6 +81,24 @@ void check_em_routing_args(const torch::Tensor& votes, const torch::Tensor& acti
     throw std::invalid_argument(fmt::format("em_routing: variance_eps must be > 0, got {}", options.variance_eps));
   if (!(options.mass_eps > 0))
     throw std::invalid_argument(fmt::format("em_routing: mass_eps must be > 0, got {}", options.mass_eps));
+  if (!(options.cost_std_eps > 0))
+    throw std::invalid_argument(fmt::format("em_routing: cost_std_eps must be > 0, got {}", options.cost_std_eps));
+}
+
+torch::Tensor standardize_over_parents(const torch::Tensor& cost, double eps) {
+  const auto centred = cost - cost.mean(1, /*keepdim=*/true);                // [B, J]
+  return centred / torch::sqrt(centred.pow(2).mean(1, /*keepdim=*/true) + eps);  // [B, J]
+}
+
+std::vector<torch::Tensor> reference_standardize(const std::vector<torch::Tensor>& cost, double eps) {
+  const double J = double(cost.size());
+  auto mean = torch::zeros_like(cost[0]);
+  for (const auto& c : cost) mean = mean + c / J;
+  auto variance = torch::zeros_like(cost[0]);
+  for (const auto& c : cost) variance = variance + (c - mean).pow(2) / J;
+  std::vector<torch::Tensor> out;
+  for (const auto& c : cost) out.push_back((c - mean) / torch::sqrt(variance + eps));
+  return out;
 }
 
 EmRoutingResult reference_em_routing(const torch::Tensor& votes, const torch::Tensor& activations_in,
@@ -106,6 +124,7 @@ EmRoutingResult reference_em_routing(const torch::Tensor& votes, const torch::Te
     for (int64_t t = 0; t < options.iterations; ++t) {
       const double lambda = inverse_temperature_at(options, t);
       // M-step, one parent at a time.
+      Row cost(J, zero);
       for (int64_t j = 0; j < J; ++j) {
         Row Ra(I);
         auto sum_R = zero;
@@ -113,7 +132,6 @@ EmRoutingResult reference_em_routing(const torch::Tensor& votes, const torch::Te
           Ra[i] = R[i][j] * activations_in[b][i];
           sum_R = sum_R + Ra[i];
         }
-        auto cost = zero;
         for (int64_t h = 0; h < D; ++h) {
           auto num = zero;
           for (int64_t i = 0; i < I; ++i) num = num + Ra[i] * votes[b][i][j][h];
@@ -122,11 +140,13 @@ EmRoutingResult reference_em_routing(const torch::Tensor& votes, const torch::Te
           for (int64_t i = 0; i < I; ++i) sq = sq + Ra[i] * (votes[b][i][j][h] - mu[j][h]).pow(2);
           var[j][h] = sq / (sum_R + options.mass_eps) + options.variance_eps;
           const auto log_sigma = 0.5 * torch::log(var[j][h]);
-          cost = cost + (beta_u[j] + log_sigma) * sum_R * mass_scale;
+          cost[j] = cost[j] + (beta_u[j] + log_sigma) * sum_R * mass_scale;
         }
-        a[j] = options.logit_offset_outside_lambda ? torch::sigmoid(beta_a[j] - lambda * cost)
-                                                   : torch::sigmoid(lambda * (beta_a[j] - cost));
       }
+      if (options.standardize_cost) cost = reference_standardize(cost, options.cost_std_eps);
+      for (int64_t j = 0; j < J; ++j)
+        a[j] = options.logit_offset_outside_lambda ? torch::sigmoid(beta_a[j] - lambda * cost[j])
+                                                   : torch::sigmoid(lambda * (beta_a[j] - cost[j]));
       if (t == options.iterations - 1) break;
       // E-step, one child at a time.
       for (int64_t i = 0; i < I; ++i) {
@@ -180,7 +200,8 @@ EmRoutingResult em_routing(const torch::Tensor& votes, const torch::Tensor& acti
     mu = (weights * votes).sum(1);                              // mu: [B, J, D]
     const auto diff = votes - mu.unsqueeze(1);                  // [B, I, J, D]
     var = (weights * diff.pow(2)).sum(1) + options.variance_eps;  // sigma^2: [B, J, D]
-    const auto cost = ((beta_u + 0.5 * torch::log(var)) * (mass * mass_scale).unsqueeze(2)).sum(2);  // [B, J]
+    auto cost = ((beta_u + 0.5 * torch::log(var)) * (mass * mass_scale).unsqueeze(2)).sum(2);  // [B, J]
+    if (options.standardize_cost) cost = detail::standardize_over_parents(cost, options.cost_std_eps);
     // Offset outside lambda: beta_a stays a logit of its own, so Adam's steps on it are not scaled by lambda.
     logit = options.logit_offset_outside_lambda ? beta_a - lambda * cost : lambda * (beta_a - cost);  // [B, J]
     if (t == options.iterations - 1) break;

@@ -48,6 +48,15 @@ struct EmRoutingOptions {
   /// J / I (its value relative to a uniform share), so the cost does not grow with the number of
   /// children I and the logistic does not saturate in wide layers. Not in the paper.
   bool normalize_cost = false;
+  /// true: before the logistic, each problem's costs c_j = sum_h cost^h are standardised over its J
+  /// parents, c_j <- (c_j - mean_k c_k) / sqrt(var_k c_k + cost_std_eps), so a_j depends on how well
+  /// parent j's votes agree relative to its rivals and the logit's range does not depend on the layer's
+  /// width, the pose scale or variance_eps. Not in the paper (public TensorFlow reimplementations of the
+  /// paper do it, with lambda of order 1); with the paper's lambda (<= 0.0014) it leaves a_j at
+  /// logistic(beta_a). J = 1 gives c = 0.
+  bool standardize_cost = false;
+  /// Added to the variance of the costs over the parents (standardize_cost): equal costs give 0, not 0/0.
+  double cost_std_eps = 1e-6;
 };
 
 /// lambda_t linear from `first` (t = 1) to `last` (t = iterations); `first` when iterations == 1.
@@ -70,7 +79,8 @@ struct EmRoutingResult {
 ///     (sigma_j^h)^2 = sum_i R'_ij (V_ij^h - mu_j^h)^2 / sum_i R'_ij  (+ variance_eps),
 ///     cost^h = (beta_u + log sigma_j^h) sum_i R'_ij,
 ///     a_j = logistic(beta_a - lambda_t sum_h cost^h)  (logit_offset_outside_lambda; else
-///           logistic(lambda_t (beta_a - sum_h cost^h)));
+///           logistic(lambda_t (beta_a - sum_h cost^h)); with standardize_cost the sums over h are first
+///           standardised over the J parents);
 ///   E-step for every child i:
 ///     p_ij = N(V_ij; mu_j, diag sigma_j^2),  R_ij = a_j p_ij / sum_k a_k p_ik
 ///     (k over the J parents, or over all the child's parents given by options.child_log_total).
@@ -107,6 +117,13 @@ EmRoutingResult reference_em_routing(const torch::Tensor& votes, const torch::Te
 /// Throws std::invalid_argument naming the bad argument unless the arguments fit em_routing.
 void check_em_routing_args(const torch::Tensor& votes, const torch::Tensor& activations_in,
                            const torch::Tensor& beta_u, const torch::Tensor& beta_a, const EmRoutingOptions& options);
+
+/// The loop form of standardize_over_parents for the references: one scalar tensor per parent.
+std::vector<torch::Tensor> reference_standardize(const std::vector<torch::Tensor>& cost, double eps);
+
+/// standardize_cost: cost [B, J] -> (cost - mean_j) / sqrt(var_j + eps), mean and (biased) variance over
+/// dim 1. Used by em_routing; the references standardise with scalar loops of their own.
+torch::Tensor standardize_over_parents(const torch::Tensor& cost, double eps);
 
 /// lambda of iteration t (0-based) under `options`.
 double inverse_temperature_at(const EmRoutingOptions& options, int64_t t);

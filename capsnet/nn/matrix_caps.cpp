@@ -244,7 +244,8 @@ EmRoutingResult reference_conv_em_routing(const torch::Tensor& votes, const torc
   for (int64_t t = 0; t < options.iterations; ++t) {
     const double lambda = capsnet::detail::inverse_temperature_at(options, t);
     // M-step: each parent sees the children of its own window.
-    for (int64_t w = 0; w < windows; ++w)
+    for (int64_t w = 0; w < windows; ++w) {
+      Row cost(C, zero);
       for (int64_t c = 0; c < C; ++c) {
         Row Ra(I);
         auto sum_R = zero;
@@ -252,7 +253,6 @@ EmRoutingResult reference_conv_em_routing(const torch::Tensor& votes, const torc
           Ra[i] = R[w][i][c] * activations[w][i];
           sum_R = sum_R + Ra[i];
         }
-        auto cost = zero;
         for (int64_t h = 0; h < D; ++h) {
           auto num = zero;
           for (int64_t i = 0; i < I; ++i) num = num + Ra[i] * votes[w][i][c][h];
@@ -260,11 +260,14 @@ EmRoutingResult reference_conv_em_routing(const torch::Tensor& votes, const torc
           auto sq = zero;
           for (int64_t i = 0; i < I; ++i) sq = sq + Ra[i] * (votes[w][i][c][h] - mu[w][c][h]).pow(2);
           var[w][c][h] = sq / (sum_R + options.mass_eps) + options.variance_eps;
-          cost = cost + (beta_u[c] + 0.5 * torch::log(var[w][c][h])) * sum_R * mass_scale;
+          cost[c] = cost[c] + (beta_u[c] + 0.5 * torch::log(var[w][c][h])) * sum_R * mass_scale;
         }
-        a_out[w][c] = options.logit_offset_outside_lambda ? torch::sigmoid(beta_a[c] - lambda * cost)
-                                                          : torch::sigmoid(lambda * (beta_a[c] - cost));
       }
+      if (options.standardize_cost) cost = capsnet::detail::reference_standardize(cost, options.cost_std_eps);
+      for (int64_t c = 0; c < C; ++c)
+        a_out[w][c] = options.logit_offset_outside_lambda ? torch::sigmoid(beta_a[c] - lambda * cost[c])
+                                                          : torch::sigmoid(lambda * (beta_a[c] - cost[c]));
+    }
     if (t == options.iterations - 1) break;
     // E-step: a_c p_c for every (window, child, parent), then divide by the child's total over every
     // parent it votes for (all windows containing it, or only this one without cross_window).

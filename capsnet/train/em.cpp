@@ -30,15 +30,17 @@ void EmTrainOptions::validate() const {
     throw std::invalid_argument(fmt::format("em: margins must be >= 0, got {} and {}", margin_start, margin_end));
   if (train_size < 0) throw std::invalid_argument(fmt::format("em: train_size must be >= 0, got {}", train_size));
   if (test_size < 0) throw std::invalid_argument(fmt::format("em: test_size must be >= 0, got {}", test_size));
+  if (eval_every < 0) throw std::invalid_argument(fmt::format("em: eval_every must be >= 0, got {}", eval_every));
   if (!(max_seconds >= 0)) throw std::invalid_argument(fmt::format("em: max_seconds must be >= 0, got {}", max_seconds));
 }
 
 nlohmann::json EmTrainOptions::to_json() const {
   return {{"out_dir", out_dir},           {"steps", steps},         {"batch_size", batch_size},
-          {"lr", lr},                     {"weight_decay", weight_decay}, {"margin_start", margin_start},
+          {"lr", lr},                     {"weight_decay", weight_decay}, {"lr_decay", lr_decay},
+          {"margin_start", margin_start},
           {"margin_end", margin_end},     {"seed", seed},           {"train_size", train_size},
           {"test_size", test_size},       {"eval_batch_size", eval_batch_size}, {"log_every", log_every},
-          {"checkpoint_every", checkpoint_every}, {"max_seconds", max_seconds},
+          {"checkpoint_every", checkpoint_every}, {"eval_every", eval_every}, {"max_seconds", max_seconds},
           {"precision", nn::precision_name(nn::parse_precision(precision))}};
 }
 
@@ -110,12 +112,13 @@ class EmTask : public Task {
     std::string lambda_text;
     for (const double l : lambdas) lambda_text += fmt::format("{}{:.6g}", lambda_text.empty() ? "" : " ", l);
     return fmt::format("matrix capsules (EM routing): A={} B={} C={} D={}, capsule grids {}x{} -> {}x{} -> {}x{}, {} "
-                       "routing iterations, lambda {} ({}), logit offset {} lambda, R over {}, {} cost",
+                       "routing iterations, lambda {} ({}), logit offset {} lambda, R over {}, {} cost{}",
                        m.conv1_channels, m.primary_types, m.conv1_caps_types, m.conv2_caps_types, sides[0], sides[0],
                        sides[1], sides[1], sides[2], sides[2], m.routing_iterations, m.lambda_schedule, lambda_text,
                        m.logit_offset_outside_lambda ? "outside" : "inside",
                        m.cross_window_routing ? "all windows of a child" : "each window",
-                       m.normalize_cost ? "normalised" : "paper");
+                       m.normalize_cost ? "normalised" : "paper",
+                       m.standardize_cost ? ", standardised over parents" : "");
   }
   int64_t epoch_size() const override { return train_.size(); }
   void begin_step(int64_t step, int64_t total_steps) override {
@@ -162,12 +165,13 @@ LoopOptions EmTrainOptions::loop_options() const {
   l.max_steps = steps;
   l.batch_size = batch_size;
   l.lr = lr;
-  l.lr_decay = 1;  // the paper anneals the margin, not the learning rate
+  l.lr_decay = lr_decay;  // 1 by default: the paper anneals the margin, not the learning rate
   l.weight_decay = weight_decay;
   l.seed = seed;
   l.checkpoint_every = checkpoint_every;
   l.log_every = log_every;
   l.evaluate_each_epoch = false;
+  l.eval_every = eval_every;
   l.resume = resume;
   l.progress = progress;
   l.max_seconds = max_seconds;

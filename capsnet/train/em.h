@@ -22,6 +22,8 @@ struct EmTrainOptions {
   int64_t batch_size = 32;
   double lr = 3e-3;             // Adam
   double weight_decay = 0.0;    // L2 on all parameters (Adam's weight_decay)
+  double lr_decay = 1.0;        // learning rate multiplied by this once per epoch, applied smoothly per step
+                                // (1 = constant, the paper's setting: it anneals the margin instead)
   double margin_start = 0.2;    // spread-loss margin at step 0 ...
   double margin_end = 0.9;      // ... reached at the last step (linear)
   uint64_t seed = 1;            // initialisation and the order of the training examples
@@ -30,13 +32,14 @@ struct EmTrainOptions {
   int64_t eval_batch_size = 100;
   int64_t log_every = 20;       // steps between "train" metric records
   int64_t checkpoint_every = 0;  // steps; 0 = only at epoch ends and at the end
+  int64_t eval_every = 0;       // > 0: also evaluate test_size test images every this many steps (a learning curve)
   double max_seconds = 0;       // > 0: stop after the first step past this much training time (then evaluate);
                                 // the margin schedule still spans `steps`, so it stops short of margin_end
   std::string resume;           // checkpoint to continue from exactly ("" = start fresh)
   bool progress = true;
   std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of the convolutions (routing stays fp32)
 
-  /// The loop's share of these options (steps -> max_steps, no lr decay, evaluation at the end,
+  /// The loop's share of these options (steps -> max_steps, lr_decay per epoch, evaluation at the end,
   /// precision resolved: "auto" becomes bf16 or fp32 on this CPU).
   LoopOptions loop_options() const;
 
