@@ -872,12 +872,14 @@ TEST(EmCli, EvalEveryStandardizedCostLambdaBaseAndLrDecayReachTheRun) {
   auto r = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "data") + " --out " + out +
                                 " --steps 4 --batch-size 8 --train-size 16 --test-size 10 --eval-every 2 --log-every 1"
                                 " --conv1-channels 4 --primary-types 2 --caps1-types 2 --caps2-types 2"
-                                " --standardize-cost --lambda-base 0.5 --lr-decay 0.5 --threads 1 --no-progress");
+                                " --standardize-cost --lambda-base 0.5 --lr-decay 0.5 --variance-eps 0.05"
+                                " --threads 1 --no-progress");
   ASSERT_EQ(r.status, 0) << r.output;
   std::ifstream in(out + "/em.json");
   auto j = nlohmann::json::parse(in);
   EXPECT_EQ(j["model"]["standardize_cost"], true);
   EXPECT_EQ(j["model"]["lambda_base"], 0.5);
+  EXPECT_EQ(j["model"]["variance_eps"], 0.05);
   EXPECT_EQ(j["train"]["lr_decay"], 0.5);
   EXPECT_EQ(j["train"]["eval_every"], 2);
   std::ifstream metrics(out + "/metrics.jsonl");
@@ -894,10 +896,20 @@ TEST(EmCli, EvalEveryStandardizedCostLambdaBaseAndLrDecayReachTheRun) {
   ASSERT_EQ(lrs.size(), 4u);
   EXPECT_DOUBLE_EQ(lrs.front(), 3e-3);  // 2 steps per epoch: 0.5 per epoch is 0.5^(1/2) per step
   for (size_t k = 1; k < lrs.size(); ++k) EXPECT_NEAR(lrs[k] / lrs[k - 1], std::sqrt(0.5), 1e-9) << k;
-  auto bad = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "data") + " --out " + out +
-                                  " --overwrite --no-progress --lambda-base 0");
-  EXPECT_NE(bad.status, 0);
-  EXPECT_NE(bad.output.find("--lambda-base"), std::string::npos) << bad.output;
+  for (const std::string flag : {"--lambda-base", "--variance-eps"}) {
+    auto bad = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "data") + " --out " + out +
+                                    " --overwrite --no-progress " + flag + " 0");
+    EXPECT_NE(bad.status, 0) << flag;
+    EXPECT_NE(bad.output.find(flag), std::string::npos) << bad.output;
+  }
+  models::MatrixCapsNetConfig zero_floor;
+  zero_floor.variance_eps = 0;
+  EXPECT_THROW(zero_floor.validate(), std::invalid_argument);
+  // The floor reaches every capsule layer's routing.
+  zero_floor.variance_eps = 0.25;
+  models::MatrixCapsNet net(zero_floor);
+  EXPECT_EQ(net->conv_caps1->options.routing().variance_eps, 0.25);
+  EXPECT_EQ(net->class_caps->options.routing().variance_eps, 0.25);
 }
 
 }  // namespace

@@ -110,6 +110,11 @@ Subcommand add_em(CLI::App& root) {
   app->add_flag("!--paper-cost", m.normalize_cost,
                 "Use the paper's cost (beta_u + log sigma) * sum_i R_ij; by default sum_i R_ij is scaled by J/I");
   app->add_flag("!--no-coordinate-addition", m.coordinate_addition, "No coordinate addition in the class capsules");
+  app->add_option("--variance-eps", m.variance_eps,
+                  "Added to every sigma^2 of EM routing (its log and the E-step's 1/sigma^2): a floor on how peaked a "
+                  "parent's Gaussian can get")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app->add_flag("--standardize-cost", m.standardize_cost,
                 "Standardise the costs over the parents of each routing problem before the logistic (not in the "
                 "paper; use with a lambda of order 1, e.g. --lambda-schedule linear --lambda-first 1 --lambda-last 1)");

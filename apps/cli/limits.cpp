@@ -46,7 +46,7 @@ const std::map<std::string, Range>& limits() {
       {"--max-body", {1, 1 << 30, true}},      {"--margin-start", {0, 1, false}},
       {"--margin-end", {0, 1, false}},         {"--latency-runs", {1, 1e6, true}},
       {"--lambda-first", {0, 1e6, false}},     {"--lambda-last", {0, 1e6, false}},
-      {"--lambda-base", {0, 1e6, false}},
+      {"--lambda-base", {0, 1e6, false}},     {"--variance-eps", {0, 1e3, false}},
       {"--infer-batches", {1, 1e6, true}},     {"--index", {0, 1e9, true}},
       {"--fragments", {0, 100, true}},         {"--canvas", {8, 1024, true}},
       {"--repeats", {1, 1000, true}},          {"--routing", {1, 100, true}},          {"--dist-timeout", {0.001, 86400, false}},

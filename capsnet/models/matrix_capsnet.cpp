@@ -24,6 +24,7 @@ EmRoutingOptions MatrixCapsNetConfig::routing() const {
   o.logit_offset_outside_lambda = logit_offset_outside_lambda;
   o.normalize_cost = normalize_cost;
   o.standardize_cost = standardize_cost;
+  o.variance_eps = variance_eps;
   return o;
 }
 
@@ -66,6 +67,8 @@ void MatrixCapsNetConfig::validate() const {
   if (lambda_schedule != "paper" && lambda_schedule != "linear")
     throw std::invalid_argument(
         fmt::format("MatrixCapsNetConfig: lambda_schedule must be \"paper\" or \"linear\", got \"{}\"", lambda_schedule));
+  if (!(variance_eps > 0))
+    throw std::invalid_argument(fmt::format("MatrixCapsNetConfig: variance_eps must be > 0, got {}", variance_eps));
   if (!(lambda_base > 0)) throw std::invalid_argument(fmt::format("MatrixCapsNetConfig: lambda_base must be > 0, got {}", lambda_base));
   if (!(lambda_first > 0) || !(lambda_last > 0))
     throw std::invalid_argument("MatrixCapsNetConfig: lambda_first and lambda_last must be > 0");

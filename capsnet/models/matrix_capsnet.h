@@ -46,6 +46,8 @@ struct MatrixCapsNetConfig {
   // EmRoutingOptions::standardize_cost: costs standardised over the parents of each routing problem
   // before the logistic (not in the paper; needs lambda of order 1, see docs/em.md).
   bool standardize_cost = false;
+  // EmRoutingOptions::variance_eps: floor added to every sigma^2 (its log, the E-step's 1/sigma^2).
+  double variance_eps = EmRoutingOptions{}.variance_eps;
   bool coordinate_addition = true;
 
   /// The values a stored config without the issue-14 keys means (the model as it was before them):
@@ -86,6 +88,7 @@ struct MatrixCapsNetConfig {
     f("cross_window_routing", c.cross_window_routing);
     f("normalize_cost", c.normalize_cost);
     f("standardize_cost", c.standardize_cost);
+    f("variance_eps", c.variance_eps);
     f("coordinate_addition", c.coordinate_addition);
   }
   nlohmann::json to_json() const;
