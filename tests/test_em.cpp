@@ -665,13 +665,18 @@ TEST(MatrixCaps, ConfigWithoutIssue14KeysKeepsTheOldRouting) {
   EXPECT_EQ(fresh.lambda_schedule, "paper");
   EXPECT_TRUE(fresh.logit_offset_outside_lambda);
   EXPECT_TRUE(fresh.cross_window_routing);
-  EXPECT_EQ(fresh.routing().inverse_temperature, paper_inverse_temperature_schedule(3, 0.01));
+  // The paper's schedule with lambda_0 = 1 (the authors' 0.01 x the ~100x their cost is larger than the
+  // J/I-scaled one) and a sigma^2 floor of 0.1: the settings that learn (docs/em.md).
+  EXPECT_EQ(fresh.routing().inverse_temperature, paper_inverse_temperature_schedule(3, 1.0));
+  EXPECT_EQ(fresh.routing().variance_eps, 0.1);
+  EXPECT_TRUE(fresh.routing().normalize_cost);
   EXPECT_EQ(models::MatrixCapsNetConfig::from_json(fresh.to_json()).to_json(), fresh.to_json());
 
   // A config (or checkpoint) written before issue 14 has none of the new keys: it means the old routing.
   auto json = tiny_em_config().to_json();
   for (const char* key :
-       {"lambda_schedule", "lambda_base", "logit_offset_outside_lambda", "cross_window_routing", "standardize_cost"})
+       {"lambda_schedule", "lambda_base", "logit_offset_outside_lambda", "cross_window_routing", "standardize_cost",
+        "variance_eps"})
     ASSERT_EQ(json.erase(key), 1u) << key;
   const auto old = models::MatrixCapsNetConfig::from_json(json);
   EXPECT_EQ(old.lambda_schedule, "linear");
@@ -679,6 +684,7 @@ TEST(MatrixCaps, ConfigWithoutIssue14KeysKeepsTheOldRouting) {
   EXPECT_FALSE(old.cross_window_routing);
   EXPECT_FALSE(old.standardize_cost);
   EXPECT_FALSE(old.routing().standardize_cost);
+  EXPECT_EQ(old.routing().variance_eps, 1e-4);
   const auto routing = old.routing();
   EXPECT_EQ(routing.inverse_temperature, (std::vector<double>{0.01, 0.01, 0.01}));
   EXPECT_FALSE(routing.logit_offset_outside_lambda);
@@ -823,6 +829,8 @@ TEST(EmCli, TrainsAndEvaluatesOnGeneratedIdx) {
   EXPECT_EQ(j["model"]["lambda_schedule"], "paper");  // the published routing by default
   EXPECT_EQ(j["model"]["logit_offset_outside_lambda"], true);
   EXPECT_EQ(j["model"]["cross_window_routing"], true);
+  EXPECT_EQ(j["model"]["lambda_base"], 1.0);
+  EXPECT_EQ(j["model"]["variance_eps"], 0.1);
   EXPECT_TRUE(std::filesystem::exists(out + "/checkpoint.pt"));
   std::ifstream metrics(out + "/metrics.jsonl");
   int lines = 0;

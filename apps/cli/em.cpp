@@ -64,13 +64,13 @@ Subcommand add_em(CLI::App& root) {
       ->check(CLI::Range(1, 100))
       ->capture_default_str();
   app->add_option("--lambda-schedule", m.lambda_schedule,
-                  "Inverse temperature per routing iteration t: paper = 0.01 (1 - 0.95^(t+1)) (the authors' "
+                  "Inverse temperature per routing iteration t: paper = --lambda-base (1 - 0.95^(t+1)) (the authors' "
                   "schedule), linear = --lambda-first .. --lambda-last (before issue 14)")
       ->check(CLI::IsMember({"paper", "linear"}))
       ->capture_default_str();
   app->add_option("--lambda-base", m.lambda_base,
                   "lambda_0 of --lambda-schedule paper: lambda_t = base (1 - 0.95^(t+1)); the authors' 0.01 goes with "
-                  "their cost, 1 with the cost scaled by J/I (the default; see docs/em.md)")
+                  "their cost (--paper-cost), 1 with the cost scaled by J/I (the default; see docs/em.md)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app->add_option("--lambda-first", m.lambda_first,

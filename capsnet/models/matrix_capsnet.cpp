@@ -32,7 +32,8 @@ nlohmann::json MatrixCapsNetConfig::legacy_defaults() {
   return {{"lambda_schedule", "linear"},
           {"logit_offset_outside_lambda", false},
           {"cross_window_routing", false},
-          {"standardize_cost", false}};
+          {"standardize_cost", false},
+          {"variance_eps", 1e-4}};
 }
 
 MatrixCapsNetConfig MatrixCapsNetConfig::from_json(const nlohmann::json& j) {

@@ -35,7 +35,10 @@ struct MatrixCapsNetConfig {
   // lambda_base (1 - 0.95^(t+1)); "linear" = lambda_first .. lambda_last (the only one before issue 14;
   // with lambda = 1 the class activations saturated and training collapsed, docs/em.md).
   std::string lambda_schedule = "paper";
-  double lambda_base = kPaperLambdaBase;
+  // lambda_0 of the paper schedule. 1, not the authors' 0.01: their 0.01 multiplies the paper's cost, whose
+  // sum_i R_ij is about I / J times the J / I-scaled cost used here (normalize_cost), i.e. ~9-14x larger in
+  // this model and ~100x in public reimplementations that learn; measured in docs/em.md.
+  double lambda_base = 1.0;
   double lambda_first = 0.01;  // "linear" only
   double lambda_last = 0.01;   // "linear" only
   // EmRoutingOptions::logit_offset_outside_lambda: a_j = logistic(beta_a - lambda cost).
@@ -46,13 +49,14 @@ struct MatrixCapsNetConfig {
   // EmRoutingOptions::standardize_cost: costs standardised over the parents of each routing problem
   // before the logistic (not in the paper; needs lambda of order 1, see docs/em.md).
   bool standardize_cost = false;
-  // EmRoutingOptions::variance_eps: floor added to every sigma^2 (its log, the E-step's 1/sigma^2).
-  double variance_eps = EmRoutingOptions{}.variance_eps;
+  // EmRoutingOptions::variance_eps: floor added to every sigma^2 (its log, the E-step's 1/sigma^2). 0.1, not
+  // em_routing's 1e-4: with 1e-4 and lambda of order 0.1 training did not start at all (docs/em.md).
+  double variance_eps = 0.1;
   bool coordinate_addition = true;
 
   /// The values a stored config without the issue-14 keys means (the model as it was before them):
   /// lambda_schedule "linear", logit_offset_outside_lambda false, cross_window_routing false; and
-  /// standardize_cost false for a config written before that key.
+  /// standardize_cost false and variance_eps 1e-4 for a config written before those keys.
   static nlohmann::json legacy_defaults();
   /// A config from JSON (e.g. a checkpoint's): a missing issue-14 key takes its legacy_defaults() value,
   /// any other missing key its default; unknown keys throw (the derived "grid_sides" is ignored).
