@@ -808,19 +808,34 @@ TEST(EmTraining, PreIssue14CheckpointResumesOnlyWithTheOldRouting) {
   EXPECT_ANY_THROW(train::train_em(fresh, set, nullptr, log));
 }
 
+// The `capsnet em` command line on --data `data` writing to --out `out`, then `flags`.
+std::string em_command(const std::string& data, const std::string& out, const std::string& flags) {
+  return std::string(CAPSNET_CLI) + " em --data " + data + " --out " + out + " " + flags;
+}
+
+// Runs `capsnet em` (em_command), expects it to succeed and returns its output and the em.json it wrote.
+struct EmRun {
+  std::string output;
+  nlohmann::json em;
+};
+EmRun run_em(const std::string& data, const std::string& out, const std::string& flags) {
+  auto r = testing::run_command(em_command(data, out, flags));
+  EXPECT_EQ(r.status, 0) << r.output;
+  std::ifstream in(out + "/em.json");
+  EXPECT_TRUE(in.good()) << "no em.json in " << out << "\n" << r.output;
+  return {r.output, in.good() ? nlohmann::json::parse(in) : nlohmann::json::object()};
+}
+
 TEST(EmCli, TrainsAndEvaluatesOnGeneratedIdx) {
   testing::TempDir dir;
   testing::write_fake_mnist(dir / "data", 64, 30);
   const std::string out = dir / "out";
-  const std::string cmd = std::string(CAPSNET_CLI) + " em --data " + (dir / "data") + " --out " + out +
-                          " --steps 3 --batch-size 8 --test-size 20 --conv1-channels 4 --primary-types 2"
-                          " --caps1-types 2 --caps2-types 2 --routing-iters 2 --threads 1 --no-progress";
-  auto r = testing::run_command(cmd);
-  ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("test: accuracy"), std::string::npos) << r.output;
-  std::ifstream in(out + "/em.json");
-  ASSERT_TRUE(in.good());
-  auto j = nlohmann::json::parse(in);
+  const std::string data = dir / "data";
+  const auto [output, j] = run_em(data, out,
+                                  "--steps 3 --batch-size 8 --test-size 20 --conv1-channels 4 --primary-types 2"
+                                  " --caps1-types 2 --caps2-types 2 --routing-iters 2 --threads 1 --no-progress");
+  ASSERT_FALSE(HasFailure());
+  EXPECT_NE(output.find("test: accuracy"), std::string::npos) << output;
   EXPECT_EQ(j["steps"], 3);
   EXPECT_EQ(j["test_examples"], 20);
   EXPECT_GE(j["test_accuracy"].get<double>(), 0.0);
@@ -842,31 +857,27 @@ TEST(EmCli, TrainsAndEvaluatesOnGeneratedIdx) {
 
   // The routing of before issue 14, by flags.
   const std::string legacy_out = dir / "legacy";
-  auto legacy = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "data") + " --out " + legacy_out +
-                                     " --steps 1 --batch-size 8 --test-size 0 --conv1-channels 4 --primary-types 2"
-                                     " --caps1-types 2 --caps2-types 2 --routing-iters 2 --threads 1 --no-progress"
-                                     " --lambda-schedule linear --lambda-first 0.5 --lambda-last 1"
-                                     " --logit-offset inside --window-routing per-window");
-  ASSERT_EQ(legacy.status, 0) << legacy.output;
-  std::ifstream legacy_in(legacy_out + "/em.json");
-  auto lj = nlohmann::json::parse(legacy_in);
+  const auto lj = run_em(data, legacy_out,
+                         "--steps 1 --batch-size 8 --test-size 0 --conv1-channels 4 --primary-types 2"
+                         " --caps1-types 2 --caps2-types 2 --routing-iters 2 --threads 1 --no-progress"
+                         " --lambda-schedule linear --lambda-first 0.5 --lambda-last 1"
+                         " --logit-offset inside --window-routing per-window")
+                      .em;
+  ASSERT_FALSE(HasFailure());
   EXPECT_EQ(lj["model"]["lambda_schedule"], "linear");
   EXPECT_EQ(lj["model"]["lambda_first"], 0.5);
   EXPECT_EQ(lj["model"]["logit_offset_outside_lambda"], false);
   EXPECT_EQ(lj["model"]["cross_window_routing"], false);
   for (const std::string flag : {"--lambda-schedule cosine", "--logit-offset above", "--window-routing all"}) {
-    auto r_bad = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "data") + " --out " + out +
-                                      " --no-progress --overwrite " + flag);
+    auto r_bad = testing::run_command(em_command(data, out, "--no-progress --overwrite " + flag));
     EXPECT_NE(r_bad.status, 0) << flag;
     EXPECT_NE(r_bad.output.find(flag.substr(0, flag.find(' '))), std::string::npos) << r_bad.output;
   }
 
-  auto bad = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "missing") + " --out " + out +
-                                  " --steps 1 --no-progress --overwrite");
+  auto bad = testing::run_command(em_command(dir / "missing", out, "--steps 1 --no-progress --overwrite"));
   EXPECT_NE(bad.status, 0);
   EXPECT_NE(bad.output.find("missing"), std::string::npos) << bad.output;
-  auto bad_size = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "data") + " --out " + out +
-                                       " --batch-size 0 --no-progress");
+  auto bad_size = testing::run_command(em_command(data, out, "--batch-size 0 --no-progress"));
   EXPECT_NE(bad_size.status, 0);
   EXPECT_NE(bad_size.output.find("batch-size"), std::string::npos) << bad_size.output;
 }
@@ -877,14 +888,14 @@ TEST(EmCli, EvalEveryStandardizedCostLambdaBaseAndLrDecayReachTheRun) {
   testing::TempDir dir;
   testing::write_fake_mnist(dir / "data", 64, 30);
   const std::string out = dir / "out";
-  auto r = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "data") + " --out " + out +
-                                " --steps 4 --batch-size 8 --train-size 16 --test-size 10 --eval-every 2 --log-every 1"
-                                " --conv1-channels 4 --primary-types 2 --caps1-types 2 --caps2-types 2"
-                                " --standardize-cost --lambda-base 0.5 --lr-decay 0.5 --variance-eps 0.05"
-                                " --threads 1 --no-progress");
-  ASSERT_EQ(r.status, 0) << r.output;
-  std::ifstream in(out + "/em.json");
-  auto j = nlohmann::json::parse(in);
+  const std::string data = dir / "data";
+  const auto j = run_em(data, out,
+                        "--steps 4 --batch-size 8 --train-size 16 --test-size 10 --eval-every 2 --log-every 1"
+                        " --conv1-channels 4 --primary-types 2 --caps1-types 2 --caps2-types 2"
+                        " --standardize-cost --lambda-base 0.5 --lr-decay 0.5 --variance-eps 0.05"
+                        " --threads 1 --no-progress")
+                     .em;
+  ASSERT_FALSE(HasFailure());
   EXPECT_EQ(j["model"]["standardize_cost"], true);
   EXPECT_EQ(j["model"]["lambda_base"], 0.5);
   EXPECT_EQ(j["model"]["variance_eps"], 0.05);
@@ -905,8 +916,7 @@ TEST(EmCli, EvalEveryStandardizedCostLambdaBaseAndLrDecayReachTheRun) {
   EXPECT_DOUBLE_EQ(lrs.front(), 3e-3);  // 2 steps per epoch: 0.5 per epoch is 0.5^(1/2) per step
   for (size_t k = 1; k < lrs.size(); ++k) EXPECT_NEAR(lrs[k] / lrs[k - 1], std::sqrt(0.5), 1e-9) << k;
   for (const std::string flag : {"--lambda-base", "--variance-eps"}) {
-    auto bad = testing::run_command(std::string(CAPSNET_CLI) + " em --data " + (dir / "data") + " --out " + out +
-                                    " --overwrite --no-progress " + flag + " 0");
+    auto bad = testing::run_command(em_command(data, out, "--overwrite --no-progress " + flag + " 0"));
     EXPECT_NE(bad.status, 0) << flag;
     EXPECT_NE(bad.output.find(flag), std::string::npos) << bad.output;
   }
