@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "apps/runtime.h"
+#include "capsnet/train/gradients.h"
 
 namespace capsnet::apps {
 namespace {
@@ -102,7 +103,7 @@ BenchResult run_benchmark(const BenchOptions& o) {
   auto labels = torch::randint(c.num_classes, {o.batch_size}, torch::kLong);
 
   auto train_step = [&] {
-    optimizer.zero_grad();
+    train::clear_grads(optimizer);
     auto out = model->forward(images, labels);
     auto loss = model->loss(out, images, labels);
     loss.total.backward();

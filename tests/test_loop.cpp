@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/gradients.h"
 #include "capsnet/train/loop.h"
 #include "test_helpers.h"
 
@@ -87,6 +88,29 @@ std::vector<nlohmann::json> records(const std::string& out_dir, const std::strin
     if (j["event"] == event) out.push_back(j);
   }
   return out;
+}
+
+TEST(LoopTest, ClearGradsLetsAdamLeaveAParameterTheLossMissedWhereItIs) {
+  // The loop releases the gradients before each backward (train::clear_grads): a parameter the loss
+  // does not reach then has none, and Adam skips it; a zeroed gradient would move it through its moments.
+  auto a = torch::ones({3}, torch::requires_grad()), b = torch::ones({3}, torch::requires_grad());
+  torch::optim::Adam adam(std::vector<torch::Tensor>{a, b}, torch::optim::AdamOptions(0.1));
+  (a.sum() + b.sum()).backward();
+  adam.step();
+  train::clear_grads(adam);
+  EXPECT_FALSE(a.grad().defined());
+  EXPECT_FALSE(b.grad().defined());
+  const auto a_before = a.detach().clone(), b_before = b.detach().clone();
+  (a * a).sum().backward();
+  adam.step();
+  EXPECT_FALSE(torch::equal(a.detach(), a_before));
+  EXPECT_TRUE(torch::equal(b.detach(), b_before));
+  // The contrast: a zeroed (defined) gradient moves b through Adam's first moment.
+  train::clear_grads(adam);
+  (a * a).sum().backward();
+  b.mutable_grad() = torch::zeros_like(b);
+  adam.step();
+  EXPECT_FALSE(torch::equal(b.detach(), b_before));
 }
 
 TEST(LoopTest, ShuffledEpochsVisitEveryExampleOnceWithAShortLastBatch) {

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/gradients.h"
 #include "capsnet/viz/figures.h"
 
 namespace capsnet::train {
@@ -181,18 +182,10 @@ std::unique_ptr<torch::optim::Adam> make_pix2pix_optimizer(models::Pix2pix& mode
                                               torch::optim::AdamOptions(lr).betas({beta1, 0.999}));
 }
 
-namespace {
-
-// Adam skips parameters whose gradient is undefined (a zero gradient would still move them through
-// the moments): clearing all, then backpropagating one network's loss, updates that network only.
-void clear_grads(const std::vector<torch::Tensor>& params) {
-  for (const auto& p : params) p.mutable_grad() = torch::Tensor();
-}
-
-}  // namespace
-
 models::Pix2pixLosses pix2pix_step(models::Pix2pix& model, torch::optim::Optimizer& optimizer,
                                    const torch::Tensor& labels, const torch::Tensor& real, const torch::Tensor& z) {
+  // Adam skips parameters whose gradient is undefined (clear_grads; a zero gradient would still move them
+  // through the moments): clearing all, then backpropagating one network's loss, updates that network only.
   const auto all = model->parameters();
   auto fake = model->generate(labels, z);  // [B, 1, S, S]
 

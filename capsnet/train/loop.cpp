@@ -11,6 +11,7 @@
 #include "capsnet/models/capsnet.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/distributed.h"
+#include "capsnet/train/gradients.h"
 #include "capsnet/train/metrics.h"
 
 namespace capsnet::train {
@@ -360,14 +361,14 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
           throw TrainingDiverged(fmt::format("{}: {} is {} at step {} (epoch {}); stopping. {}", task.name(), name, v,
                                              step, epoch + 1, last_good()));
     } else if (group) {
-      optimizer->zero_grad();
+      clear_grads(*optimizer);
       // The loss is a mean over this rank's b rows; weighting it by b * W / B before the average
       // over W ranks gives sum_r (b_r / B) grad_r, the gradient of the mean over the global batch.
       (loss.total * (static_cast<double>(rows.size()) * world / len)).backward();
       reducer->average();
       optimizer->step();
     } else {
-      optimizer->zero_grad();
+      clear_grads(*optimizer);
       loss.total.backward();
       optimizer->step();
     }
