@@ -198,15 +198,16 @@ EmRoutingResult em_routing(const torch::Tensor& votes, const torch::Tensor& acti
     const auto mass = Ra.sum(1);                                // sum_i R_ij: [B, J]
     const auto weights = (Ra / (mass.unsqueeze(1) + options.mass_eps)).unsqueeze(3);  // [B, I, J, 1]
     mu = (weights * votes).sum(1);                              // mu: [B, J, D]
-    const auto diff = votes - mu.unsqueeze(1);                  // [B, I, J, D]
-    var = (weights * diff.pow(2)).sum(1) + options.variance_eps;  // sigma^2: [B, J, D]
+    const auto sq = (votes - mu.unsqueeze(1)).pow(2);           // (V - mu)^2: [B, I, J, D], the E-step's too
+    var = (weights * sq).sum(1) + options.variance_eps;         // sigma^2: [B, J, D]
     auto cost = ((beta_u + 0.5 * torch::log(var)) * (mass * mass_scale).unsqueeze(2)).sum(2);  // [B, J]
     if (options.standardize_cost) cost = detail::standardize_over_parents(cost, options.cost_std_eps);
     // Offset outside lambda: beta_a stays a logit of its own, so Adam's steps on it are not scaled by lambda.
     logit = options.logit_offset_outside_lambda ? beta_a - lambda * cost : lambda * (beta_a - cost);  // [B, J]
     if (t == options.iterations - 1) break;
-    // E-step in log space: log(a_j p_ij) = logsigmoid(logit_j) + log N(V_ij; mu_j, sigma_j^2).
-    const auto log_p = -0.5 * (torch::log(2 * M_PI * var).unsqueeze(1) + diff.pow(2) / var.unsqueeze(1)).sum(3);
+    // E-step in log space: log(a_j p_ij) = logsigmoid(logit_j) + log N(V_ij; mu_j, sigma_j^2). The
+    // log(2 pi sigma^2) term does not depend on i: summed over d on [B, J, D], not on [B, I, J, D].
+    const auto log_p = -0.5 * ((sq / var.unsqueeze(1)).sum(3) + torch::log(2 * M_PI * var).sum(2).unsqueeze(1));
     const auto log_weights = torch::log_sigmoid(logit).unsqueeze(1) + log_p;  // [B, I, J]
     R = options.child_log_total ? torch::exp(log_weights - options.child_log_total(log_weights))
                                 : torch::softmax(log_weights, 2);  // [B, I, J]
