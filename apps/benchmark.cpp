@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "apps/runtime.h"
+#include "capsnet/train/adam_state.h"
 #include "capsnet/train/gradients.h"
 
 namespace capsnet::apps {
@@ -97,6 +98,7 @@ BenchResult run_benchmark(const BenchOptions& o) {
   model->set_fused_routing(o.fused_routing);
   model->set_precision(o.precision);
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
+  train::allocate_adam_state(optimizer);  // as the training loop does
   const auto& c = o.model;
   // images: [B, C, H, W] in [0, 1); labels: [B]
   auto images = torch::rand({o.batch_size, c.image_channels, c.image_size, c.image_size});

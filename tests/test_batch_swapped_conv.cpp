@@ -46,6 +46,35 @@ TEST(BatchSwappedConv, WeightGradientEqualsAtenInFloat64) {
   }
 }
 
+TEST(BatchSwappedConv, ChunksOverInputChannelsGiveTheSameGradient) {
+  // The input channels go through the swapped convolution in chunks of at most chunk_bytes of x's copy:
+  // one channel per chunk, uneven chunks (7 channels as 3 + 3 + 1) and one chunk must agree with ATen.
+  torch::manual_seed(5);
+  for (const auto& t : cases()) {
+    const auto x = torch::randn({t.n, 7, t.h, t.w}, torch::kDouble);
+    const auto w = torch::randn({t.o, 7, t.k0, t.k1}, torch::kDouble);
+    const auto dy = torch::randn_like(conv_output(x, w, t.geometry));
+    const auto reference = nn::conv2d_weight_grad_reference(dy, x, w, t.geometry);
+    const int64_t channel_bytes = t.n * t.h * t.w * 8;  // an upper bound: the copy is cropped to the window
+    for (const int64_t chunk_bytes : {int64_t{1}, 3 * channel_bytes, int64_t{1} << 30}) {
+      const auto fast = nn::conv2d_weight_grad_batch_swapped(dy, x, {t.k0, t.k1}, t.geometry, chunk_bytes);
+      ASSERT_EQ(fast.sizes(), reference.sizes());
+      EXPECT_LT((fast - reference).abs().max().item<double>(), 1e-10)
+          << "case n=" << t.n << " chunk_bytes=" << chunk_bytes;
+    }
+  }
+  if (!nn::cpu_has_native_bf16()) return;  // bf16 convolutions run on oneDNN's AVX512_BF16 / AMX kernels
+  // The bf16 PrimaryCaps gradient in chunks (the default, 6 MB: 3 chunks of its 256 channels) is the
+  // one-chunk gradient: each entry reduces over the same products.
+  const auto x = torch::randn({100, 256, 20, 20}).to(torch::kBFloat16);
+  const auto dy = torch::randn({100, 16, 6, 6}).to(torch::kBFloat16);
+  const Conv2dGeometry primary{{2, 2}, {0, 0}, {1, 1}};
+  const auto chunked = nn::conv2d_weight_grad_batch_swapped(dy, x, {9, 9}, primary);
+  const auto whole = nn::conv2d_weight_grad_batch_swapped(dy, x, {9, 9}, primary, int64_t{1} << 40);
+  EXPECT_LT((chunked.to(torch::kFloat) - whole.to(torch::kFloat)).abs().max().item<float>(),
+            1e-2 * whole.to(torch::kFloat).abs().max().item<float>());
+}
+
 TEST(BatchSwappedConv, ForwardAndAllGradientsPassGradcheck) {
   torch::manual_seed(4);
   for (const auto& t : cases()) {

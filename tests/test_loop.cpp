@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/adam_state.h"
 #include "capsnet/train/gradients.h"
 #include "capsnet/train/loop.h"
 #include "test_helpers.h"
@@ -111,6 +112,49 @@ TEST(LoopTest, ClearGradsLetsAdamLeaveAParameterTheLossMissedWhereItIs) {
   b.mutable_grad() = torch::zeros_like(b);
   adam.step();
   EXPECT_FALSE(torch::equal(b.detach(), b_before));
+}
+
+TEST(LoopTest, AdamStateAllocatedBeforeTheFirstStepChangesNoNumber) {
+  // train::allocate_adam_state gives Adam the state it would create lazily; the updates must be the same
+  // to the bit, a parameter the loss misses must stay put, and a restored state must be kept.
+  auto make = [] {
+    torch::manual_seed(3);
+    return std::vector<torch::Tensor>{torch::randn({4, 5}).requires_grad_(), torch::randn({5}).requires_grad_(),
+                                      torch::randn({2}).requires_grad_()};
+  };
+  auto lazy = make(), eager = make();
+  for (const bool amsgrad : {false, true}) {
+    auto options = torch::optim::AdamOptions(0.05).weight_decay(0.01).amsgrad(amsgrad);
+    torch::optim::Adam lazy_adam(lazy, options), eager_adam(eager, options);
+    train::allocate_adam_state(eager_adam);
+    EXPECT_EQ(eager_adam.state().size(), 3u);
+    EXPECT_EQ(lazy_adam.state().size(), 0u);
+    const auto missed_before = eager[2].detach().clone();
+    for (int step = 0; step < 4; ++step) {
+      for (auto* params : {&lazy, &eager}) {
+        train::clear_grads(*params);
+        auto x = torch::linspace(-1, 1, 4) + step;
+        ((*params)[0].t().matmul(x) + (*params)[1]).pow(2).sum().backward();  // never reaches params[2]
+      }
+      lazy_adam.step();
+      eager_adam.step();
+      for (int i = 0; i < 3; ++i)
+        EXPECT_TRUE(torch::equal(lazy[i].detach(), eager[i].detach())) << "amsgrad " << amsgrad << " step " << step;
+    }
+    EXPECT_TRUE(torch::equal(eager[2].detach(), missed_before));
+    // Called again (as after a resume), it keeps every existing state.
+    auto& s0 = static_cast<torch::optim::AdamParamState&>(*eager_adam.state().begin()->second);
+    const auto moment = s0.exp_avg().clone();
+    const auto steps = s0.step();
+    train::allocate_adam_state(eager_adam);
+    EXPECT_EQ(eager_adam.state().size(), 3u);
+    EXPECT_EQ(s0.step(), steps);
+    EXPECT_TRUE(torch::equal(s0.exp_avg(), moment));
+  }
+  // Other optimizers are left alone.
+  torch::optim::SGD sgd(make(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  train::allocate_adam_state(sgd);
+  EXPECT_EQ(sgd.state().size(), 0u);
 }
 
 TEST(LoopTest, ShuffledEpochsVisitEveryExampleOnceWithAShortLastBatch) {

@@ -1,5 +1,7 @@
 #include "capsnet/nn/batch_swapped_conv.h"
 
+#include <algorithm>
+
 namespace capsnet::nn {
 namespace {
 
@@ -29,11 +31,13 @@ class Conv2dBatchSwappedFunction : public torch::autograd::Function<Conv2dBatchS
                            as_array(ctx->saved_data["dilation"])};
     const auto dy = grads[0].contiguous();  // dy: [N, O, P, Q]
     torch::Tensor dx, dw, db;
+    // The weight gradient first: its transients (x transposed, and oneDNN's blocked copy of that) are
+    // freed before dx, the size of x, is allocated, so the two never coexist (peak memory, docs/kernels.md).
+    if (ctx->needs_input_grad(1)) dw = conv2d_weight_grad_batch_swapped(dy, x, {w.size(2), w.size(3)}, g);
     if (ctx->needs_input_grad(0))
       dx = std::get<0>(at::convolution_backward(dy, x, w, c10::nullopt, as_vector(g.stride), as_vector(g.padding),
                                                 as_vector(g.dilation), /*transposed=*/false, {0, 0}, /*groups=*/1,
                                                 {true, false, false}));
-    if (ctx->needs_input_grad(1)) dw = conv2d_weight_grad_batch_swapped(dy, x, {w.size(2), w.size(3)}, g);
     if (ctx->needs_input_grad(2)) db = dy.sum({0, 2, 3});
     return {dx, dw, db, torch::Tensor()};
   }
@@ -42,7 +46,8 @@ class Conv2dBatchSwappedFunction : public torch::autograd::Function<Conv2dBatchS
 }  // namespace
 
 torch::Tensor conv2d_weight_grad_batch_swapped(const torch::Tensor& dy, const torch::Tensor& x,
-                                               std::array<int64_t, 2> kernel, const Conv2dGeometry& g) {
+                                               std::array<int64_t, 2> kernel, const Conv2dGeometry& g,
+                                               int64_t chunk_bytes) {
   TORCH_CHECK(dy.dim() == 4 && x.dim() == 4 && dy.size(0) == x.size(0),
               "conv2d_weight_grad_batch_swapped: dy [N, O, P, Q] and x [N, C, H, W] must share N");
   // The forward read padded rows [0, s*(P-1) + d*(K-1) + 1): pad explicitly, then crop to exactly those
@@ -54,12 +59,24 @@ torch::Tensor conv2d_weight_grad_batch_swapped(const torch::Tensor& dy, const to
   const int64_t cols = g.stride[1] * (dy.size(3) - 1) + g.dilation[1] * (kernel[1] - 1) + 1;
   TORCH_CHECK(rows <= xp.size(2) && cols <= xp.size(3),
               "conv2d_weight_grad_batch_swapped: dy's spatial size does not fit x's");
-  const auto xt = xp.slice(2, 0, rows).slice(3, 0, cols).transpose(0, 1).contiguous();  // xt: [C, N, rows, cols]
-  const auto dyt = dy.transpose(0, 1).contiguous();                                     // dyt: [O, N, P, Q]
-  // Stride and dilation trade places: output (kh, kw) reads x at d*kh + s*i.
-  const auto z = at::conv2d(xt, dyt, torch::Tensor(), as_vector(g.dilation), std::vector<int64_t>{0, 0},
-                            as_vector(g.stride));  // z: [C, O, K0, K1]
-  return z.transpose(0, 1).contiguous();                                                    // [O, C, K0, K1]
+  const auto window = xp.slice(2, 0, rows).slice(3, 0, cols);  // [N, C, rows, cols]
+  const auto dyt = dy.transpose(0, 1).contiguous();            // dyt: [O, N, P, Q]
+  // The input channels are the swapped convolution's batch, so they go through it in chunks: x's
+  // transposed copy and oneDNN's blocked copy of that exist one chunk at a time (bf16 PrimaryCaps: two
+  // 20 MB transients become 6 MB ones; docs/kernels.md). Each entry of dw reduces over the same products.
+  const int64_t C = x.size(1);
+  const int64_t bytes_per_channel = std::max<int64_t>(window.numel() / std::max<int64_t>(C, 1) * window.element_size(), 1);
+  const int64_t chunk = std::clamp<int64_t>(chunk_bytes / bytes_per_channel, 1, std::max<int64_t>(C, 1));
+  auto dw = torch::empty({dy.size(1), C, kernel[0], kernel[1]}, x.options());  // dw: [O, C, K0, K1]
+  for (int64_t c0 = 0; c0 < C; c0 += chunk) {
+    const int64_t c1 = std::min(C, c0 + chunk);
+    const auto xt = window.slice(1, c0, c1).transpose(0, 1).contiguous();  // xt: [c, N, rows, cols]
+    // Stride and dilation trade places: output (kh, kw) reads x at d*kh + s*i.
+    const auto z = at::conv2d(xt, dyt, torch::Tensor(), as_vector(g.dilation), std::vector<int64_t>{0, 0},
+                              as_vector(g.stride));  // z: [c, O, K0, K1]
+    dw.slice(1, c0, c1).copy_(z.transpose(0, 1));
+  }
+  return dw;
 }
 
 torch::Tensor conv2d_weight_grad_reference(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& w,

@@ -23,10 +23,16 @@ struct Conv2dGeometry {
   std::array<int64_t, 2> dilation{1, 1};
 };
 
+/// Bytes of x's transposed copy that conv2d_weight_grad_batch_swapped holds at a time (it goes through the
+/// input channels in chunks): bounds that transient and oneDNN's blocked copy of it.
+constexpr int64_t kBatchSwappedChunkBytes = int64_t{6} << 20;
+
 /// dL/dw of y = conv2d(x, w) by the batch-swapped forward convolution.
 /// dy: [N, O, P, Q]; x: [N, C, H, W] (same dtype); kernel: {K0, K1}. Returns [O, C, K0, K1] in x's dtype.
+/// chunk_bytes: at most this many bytes of x's transposed copy at a time (at least one channel).
 torch::Tensor conv2d_weight_grad_batch_swapped(const torch::Tensor& dy, const torch::Tensor& x,
-                                               std::array<int64_t, 2> kernel, const Conv2dGeometry& geometry);
+                                               std::array<int64_t, 2> kernel, const Conv2dGeometry& geometry,
+                                               int64_t chunk_bytes = kBatchSwappedChunkBytes);
 
 /// The reference: dL/dw of the same convolution by ATen's convolution_backward. w: [O, C, K0, K1]
 /// (only its shape matters). Returns [O, C, K0, K1].

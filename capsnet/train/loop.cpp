@@ -11,6 +11,7 @@
 #include "capsnet/models/capsnet.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/distributed.h"
+#include "capsnet/train/adam_state.h"
 #include "capsnet/train/gradients.h"
 #include "capsnet/train/metrics.h"
 
@@ -233,6 +234,7 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
            }).step;
     log << fmt::format("resumed from {} at step {}\n", options.resume, step);
   }
+  allocate_adam_state(*optimizer);  // before the first forward: lower peak memory (adam_state.h)
   model->train();
   std::optional<GradientReducer> reducer;
   if (group) {
