@@ -9,21 +9,11 @@ Prints the median time of each path (fp32 and bf16) at the given batch, and chec
 Run with Debian's python3:  /usr/bin/python3 bench/conv_wgrad.py --threads 2 --batch 100
 """
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-
-def timed(fn, reps):
-    fn()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+from timing import median_seconds
 
 
 def main():
@@ -72,10 +62,10 @@ def main():
         ref = onednn().float()
         mine = gemm()
         err = (ref - mine).abs().max().item() / ref.abs().max().item()
-        t_dnn = timed(onednn, args.reps)
-        t_gemm = timed(gemm, args.reps)
-        t_in = timed(onednn_input_grad, args.reps)
-        t_mm = timed(gemm_only, args.reps)
+        t_dnn = median_seconds(onednn, args.reps)
+        t_gemm = median_seconds(gemm, args.reps)
+        t_in = median_seconds(onednn_input_grad, args.reps)
+        t_mm = median_seconds(gemm_only, args.reps)
         name = "fp32" if dtype == torch.float32 else "bf16"
         print(f"{name}: weight grad oneDNN {1e3 * t_dnn:.1f} ms ({flops / t_dnn / 1e9:.0f} GFLOP/s), "
               f"unfold+GEMM (chunks of {args.chunk}) {1e3 * t_gemm:.1f} ms ({flops / t_gemm / 1e9:.0f} GFLOP/s), "

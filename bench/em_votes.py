@@ -12,21 +12,10 @@ Run with Debian's python3 and one BLAS thread, as the capsnet executables use:
   OPENBLAS_NUM_THREADS=1 /usr/bin/python3 bench/em_votes.py --threads 1
 """
 import argparse
-import statistics
-import time
 
 import torch
 
-
-def timed(fn, reps=5):
-    fn()
-    fn()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+from timing import median_seconds
 
 
 def main():
@@ -44,8 +33,8 @@ def main():
         by_matmul = lambda: torch.matmul(M.view(P, I, 1, 4, 4), W).reshape(P, I, C, 16)
         by_einsum = lambda: torch.einsum("pirk,ickd->picrd", M, W).reshape(P, I, C, 16)
         diff = (by_matmul() - by_einsum()).abs().max().item()
-        t_mm = timed(lambda: by_matmul().backward(g))
-        t_es = timed(lambda: by_einsum().backward(g))
+        t_mm = median_seconds(lambda: by_matmul().backward(g), reps=5, warmup=2)
+        t_es = median_seconds(lambda: by_einsum().backward(g), reps=5, warmup=2)
         print(f"{name:22s} P={P:4d} I={I:3d} C={C:2d}  matmul {1e3 * t_mm:7.1f} ms  einsum {1e3 * t_es:7.1f} ms"
               f"  ({t_mm / t_es:.2f}x)  max |diff| {diff:.1e}")
 
