@@ -48,7 +48,8 @@ TEST(BatchSwappedConv, WeightGradientEqualsAtenInFloat64) {
 
 TEST(BatchSwappedConv, ChunksOverInputChannelsGiveTheSameGradient) {
   // The input channels go through the swapped convolution in chunks of at most chunk_bytes of x's copy:
-  // one channel per chunk, uneven chunks (7 channels as 3 + 3 + 1) and one chunk must agree with ATen.
+  // one channel per chunk, uneven chunks (7 channels as 3 + 3 + 1, or more per chunk where the copy is
+  // cropped) and one chunk must agree with ATen.
   torch::manual_seed(5);
   for (const auto& t : cases()) {
     const auto x = torch::randn({t.n, 7, t.h, t.w}, torch::kDouble);

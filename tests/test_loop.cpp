@@ -10,8 +10,8 @@
 #include <set>
 #include <sstream>
 
-#include "capsnet/train/checkpoint.h"
 #include "capsnet/train/adam_state.h"
+#include "capsnet/train/checkpoint.h"
 #include "capsnet/train/gradients.h"
 #include "capsnet/train/loop.h"
 #include "test_helpers.h"

@@ -65,8 +65,8 @@ torch::Tensor conv2d_weight_grad_batch_swapped(const torch::Tensor& dy, const to
   // transposed copy and oneDNN's blocked copy of that exist one chunk at a time (bf16 PrimaryCaps: two
   // 20 MB transients become 6 MB ones; docs/kernels.md). Each entry of dw reduces over the same products.
   const int64_t C = x.size(1);
-  const int64_t bytes_per_channel = std::max<int64_t>(window.numel() / std::max<int64_t>(C, 1) * window.element_size(), 1);
-  const int64_t chunk = std::clamp<int64_t>(chunk_bytes / bytes_per_channel, 1, std::max<int64_t>(C, 1));
+  const int64_t bytes_per_channel = C > 0 ? window.numel() / C * window.element_size() : 1;
+  const int64_t chunk = std::max<int64_t>(1, chunk_bytes / std::max<int64_t>(bytes_per_channel, 1));
   auto dw = torch::empty({dy.size(1), C, kernel[0], kernel[1]}, x.options());  // dw: [O, C, K0, K1]
   for (int64_t c0 = 0; c0 < C; c0 += chunk) {
     const int64_t c1 = std::min(C, c0 + chunk);

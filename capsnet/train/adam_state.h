@@ -28,8 +28,8 @@ Key adam_state_key(const torch::Tensor& p) {
 /// first step (step 0, zero moments; a zero max moment with amsgrad), so the numbers are unchanged.
 /// Why: Adam allocates its moments lazily, in the first step, where they land in the middle of the
 /// pages that step's activations have just freed; the next forward then cannot reuse those pages and
-/// the allocator maps new ones. Allocated before the first forward, the moments sit apart (peak RSS
-/// 17-18 MB lower, docs/kernels.md). Parameters restored from a checkpoint keep their state. Does
+/// the allocator maps new ones. Allocated before the first forward, the moments sit apart (training
+/// peak RSS of the CapsNet 17 MB lower in bf16, 46 MB in fp32, docs/kernels.md). Parameters restored from a checkpoint keep their state. Does
 /// nothing for an optimizer other than torch::optim::Adam.
 inline void allocate_adam_state(torch::optim::Optimizer& optimizer) {
   auto* adam = dynamic_cast<torch::optim::Adam*>(&optimizer);

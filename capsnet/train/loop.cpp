@@ -9,9 +9,9 @@
 #include <iostream>
 
 #include "capsnet/models/capsnet.h"
+#include "capsnet/train/adam_state.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/distributed.h"
-#include "capsnet/train/adam_state.h"
 #include "capsnet/train/gradients.h"
 #include "capsnet/train/metrics.h"
 
