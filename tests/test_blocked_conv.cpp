@@ -79,6 +79,17 @@ TEST(BlockedConv, WeightsAreReorderedOncePerUpdate) {
   }
   EXPECT_LT(max_rel(infer(), conv->forward(x).detach()), 1e-5);
   EXPECT_EQ(blocked.reorders(), 4);
+
+  // LibTorch 1.13's SGD updates p.data(), which bumps no version counter: the training forward before
+  // the step (autograd on) drops the kept weights, so the next inference call still sees the new ones.
+  torch::optim::SGD sgd(conv->parameters(), torch::optim::SGDOptions(0.1));
+  const auto before_sgd = infer();
+  nn::conv2d_at(conv, x, Precision::kFloat32, &blocked).square().sum().backward();
+  sgd.step();
+  const auto after_sgd = infer();
+  EXPECT_GT((after_sgd - before_sgd).abs().max().item<double>(), 1e-3);
+  EXPECT_LT(max_rel(after_sgd, conv->forward(x).detach()), 1e-5);
+  EXPECT_EQ(blocked.reorders(), 5);
 }
 
 TEST(BlockedConv, AutogradKeepsThePlainPath) {

@@ -11,9 +11,9 @@ void DecoderImpl::reset() {
 }
 
 torch::Tensor DecoderImpl::forward(const torch::Tensor& masked, Precision precision) {
-  auto h = torch::relu(linear_at(fc1, masked, precision));  // [B, hidden1]
-  h = torch::relu(linear_at(fc2, h, precision));            // [B, hidden2]
-  auto logits = linear_at(fc3, h, precision);                  // [B, out]
+  auto h = torch::relu(linear_at(fc1, masked, precision, cast1_));  // [B, hidden1]
+  h = torch::relu(linear_at(fc2, h, precision, cast2_));            // [B, hidden2]
+  auto logits = linear_at(fc3, h, precision, cast3_);               // [B, out]
   if (precision != Precision::kFloat32) logits = logits.to(fc3->weight.scalar_type());
   return torch::sigmoid(logits);  // in the master dtype (fp32, or fp64 in gradchecks)
 }

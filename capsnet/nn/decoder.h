@@ -1,6 +1,7 @@
 #pragma once
 #include <torch/torch.h>
 
+#include "capsnet/nn/cast_cache.h"
 #include "capsnet/nn/precision.h"
 
 namespace capsnet::nn {
@@ -23,6 +24,10 @@ class DecoderImpl : public torch::nn::Cloneable<DecoderImpl> {
 
   DecoderOptions options;
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+
+ private:
+  // The three layers' bf16 weights, kept between inference calls (nn/cast_cache.h).
+  LinearCastCache cast1_, cast2_, cast3_;
 };
 TORCH_MODULE(Decoder);
 

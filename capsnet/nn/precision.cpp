@@ -58,6 +58,10 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Prec
                         BlockedConvWeights* blocked) {
   const auto dtype = compute_dtype(precision);
   if (blocked && BlockedConvWeights::usable(conv, x_in, dtype)) return blocked->forward(conv, x_in, dtype);
+  // A forward under autograd is training: the optimizer step after it may change the weights without
+  // bumping their version counter (LibTorch 1.13's SGD updates p.data()), so the kept blocked weights
+  // are dropped here and the next inference call reorders afresh (as it must after any step anyway).
+  if (blocked && torch::GradMode::is_enabled()) *blocked = BlockedConvWeights();
   const auto x = x_in.is_mkldnn() ? x_in.to_dense() : x_in;
   if (precision == Precision::kFloat32) return conv->forward(x);
   const auto& o = conv->options;

@@ -8,7 +8,8 @@
 //   u_hat_{j|i} = W_ij u_i,  c_i^t = softmax_j(u_hat_{j|i} . A_j^t),  s_j^t = sum_i c_ij^t u_hat_{j|i},
 //   v^t = squash(s^t) (eps = kSquashEps inside the sqrt), output v^(r-1).
 // This equals capsnet::dynamic_routing / detail::reference_routing (b_ij = u_hat_{j|i} . A_j^t), in
-// both gradient modes. Only per-example [r, J, D] state is kept; u_hat is recomputed on the fly.
+// both gradient modes. Only per-example [r, J, D] state is kept; u_hat is recomputed on the fly
+// (small batches keep it within the forward: set_prediction_cache_bytes).
 // Derivation of the backward pass and memory argument: docs/kernels.md.
 
 #include <ATen/core/Tensor.h>
@@ -47,5 +48,14 @@ void set_cpu_isa(CpuIsa isa);
 /// example.
 enum class CpuKernel { automatic, per_example, example_lanes };
 void set_cpu_kernel(CpuKernel kernel);
+
+/// The example-lane forward keeps the predictions u_hat of iteration 1 for the later iterations
+/// instead of recomputing them, when they fit in this many bytes ([ceil(B / L), I, J*D, L] in lanes:
+/// for the paper's CapsNet 2.9 MB at B <= 4, 5.9 MB at B <= 8; 11.8 MB at B = 16 measured slower than
+/// recomputing, 82 MB at B = 100). The outputs are
+/// bit-identical either way; only the speed of small batches changes. Negative restores the default
+/// (kPredictionCacheBytes); 0 turns the cache off. Tests and benchmarks compare the two.
+constexpr int64_t kPredictionCacheBytes = int64_t{8} << 20;
+void set_prediction_cache_bytes(int64_t bytes);
 
 }  // namespace capsnet::ops

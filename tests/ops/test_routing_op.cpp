@@ -365,6 +365,44 @@ TEST(FusedRouting, AnExamplesOutputDoesNotDependOnTheBatchItIsRoutedIn) {
   }
 }
 
+TEST(FusedRouting, PredictionCacheGivesBitIdenticalOutputsAndGradients) {
+  // Small batches keep iteration 1's predictions for the later iterations (ops::set_prediction_cache_bytes)
+  // instead of recomputing them: the same values, so v and both gradients must not change in any bit,
+  // for one block, several blocks, every instruction set and r = 1 (nothing to keep) to 3.
+  torch::manual_seed(11);
+  struct Restore {
+    ~Restore() { capsnet::ops::set_prediction_cache_bytes(-1); }
+  } restore;
+  for (const auto isa : {capsnet::ops::CpuIsa::automatic, capsnet::ops::CpuIsa::avx2, capsnet::ops::CpuIsa::baseline}) {
+    ScopedCpuKernel kernel(isa, capsnet::ops::CpuKernel::example_lanes);
+    for (const Shape s : {Shape{1, 70, 10, 16, 8}, Shape{5, 33, 4, 6, 3}, Shape{37, 70, 10, 16, 8}}) {
+      for (const int64_t r : {1, 2, 3}) {
+        torch::Tensor u, W, R;
+        make_inputs(s, torch::kFloat, u, W, R);
+        auto routed = [&](int64_t cache_bytes) {
+          capsnet::ops::set_prediction_cache_bytes(cache_bytes);
+          return run([&](const auto& u_, const auto& W_) { return capsnet::ops::capsule_routing(u_, W_, r, true); }, u,
+                     W, R);
+        };
+        const auto off = routed(0), on = routed(int64_t{1} << 40), by_default = routed(-1);
+        for (const auto* x : {&on, &by_default}) {
+          EXPECT_TRUE(torch::equal(x->v, off.v)) << "B " << s.B << " r " << r;
+          EXPECT_TRUE(torch::equal(x->grad_u, off.grad_u)) << "B " << s.B << " r " << r;
+          EXPECT_TRUE(torch::equal(x->grad_W, off.grad_W)) << "B " << s.B << " r " << r;
+        }
+        // And the cached forward is still the routing: against the float64 oracle.
+        const auto ref = run(
+            [&](const auto& u_, const auto& W_) {
+              return capsnet::detail::reference_routing(predictions(u_, W_), routing(r, true));
+            },
+            u.to(torch::kDouble), W.to(torch::kDouble), R.to(torch::kDouble));
+        EXPECT_LE(relative_error(on.v, ref.v), 1e-5) << "B " << s.B << " r " << r;
+        EXPECT_LE(relative_error(on.grad_W, ref.grad_W), 1e-5) << "B " << s.B << " r " << r;
+      }
+    }
+  }
+}
+
 TEST(FusedRouting, NoGradAndDispatcherPathsAgree) {
   torch::manual_seed(6);
   torch::Tensor u, W, R;

@@ -94,6 +94,9 @@ int main(int argc, char** argv) {
   if (const char* kernel = std::getenv("CAPSNET_OPS_CPU_KERNEL"))
     capsnet::ops::set_cpu_kernel(std::string(kernel) == "per_example" ? capsnet::ops::CpuKernel::per_example
                                                                       : capsnet::ops::CpuKernel::example_lanes);
+  // CAPSNET_OPS_PREDICTION_CACHE_BYTES=N caps the forward's prediction cache (0: off).
+  if (const char* bytes = std::getenv("CAPSNET_OPS_PREDICTION_CACHE_BYTES"))
+    capsnet::ops::set_prediction_cache_bytes(std::atoll(bytes));
   int threads = 2, reps = 7;
   int64_t B = 100, I = 1152, J = 10, D = 16, Din = 8, r = 3;
   std::string only;

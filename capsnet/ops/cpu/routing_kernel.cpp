@@ -34,6 +34,7 @@ namespace {
 
 std::atomic<CpuIsa> forced_isa{CpuIsa::automatic};           // ops::set_cpu_isa
 std::atomic<CpuKernel> forced_kernel{CpuKernel::automatic};  // ops::set_cpu_kernel
+std::atomic<int64_t> prediction_cache_bytes{kPredictionCacheBytes};  // ops::set_prediction_cache_bytes
 
 // Examples routed together per pass over i: the Din x J*D block of W_i is loaded once for all of them.
 constexpr int64_t kExampleBlock = 8;
@@ -348,11 +349,12 @@ CAPSNET_INLINE void prediction_grad_range(const StoredPredictor<T>& predict, con
 #define CAPSNET_DEFINE_LANE_WRAPPERS(SUFFIX, VB, ATTRIBUTE)                                                          \
   template <typename T, int VBL>                                                                                     \
   ATTRIBUTE void lanes_forward_chunks_##SUFFIX(const T* w, const T* ul, const lanes::LaneDims& n, int64_t t,         \
-                                               int64_t task_begin, int64_t task_end, const T* a, T* parts) {         \
+                                               int64_t task_begin, int64_t task_end, const T* a, T* parts,           \
+                                               T* uh_cache) {                                                        \
     if (n.Din == 8)                                                                                                  \
-      lanes::forward_chunks<T, VBL, 8>(w, ul, n, t, task_begin, task_end, a, parts);                                 \
+      lanes::forward_chunks<T, VBL, 8>(w, ul, n, t, task_begin, task_end, a, parts, uh_cache);                       \
     else                                                                                                             \
-      lanes::forward_chunks<T, VBL, 0>(w, ul, n, t, task_begin, task_end, a, parts);                                 \
+      lanes::forward_chunks<T, VBL, 0>(w, ul, n, t, task_begin, task_end, a, parts, uh_cache);                       \
   }                                                                                                                  \
   template <typename T, int VBL>                                                                                     \
   ATTRIBUTE void lanes_forward_finish_##SUFFIX(const lanes::LaneDims& n, int64_t t, int64_t q_begin, int64_t q_end,  \
@@ -502,6 +504,10 @@ std::tuple<at::Tensor, at::Tensor> capsule_routing_forward_cpu(const at::Tensor&
     auto ul = lanes_buffer(nblk, {n.I, n.Din}, L, u.options());
     auto a = at::zeros({nblk, n.JD(), L}, u.options());                 // A^t per block, in lanes
     auto parts = lanes_buffer(nblk, {nchunk, n.JD()}, L, u.options());  // partial s^t per (block, chunk)
+    // uh_cache: [nblk, I, J*D, L], u_hat of iteration 1 kept for the others (small batches only: at B = 100
+    // it would be 82 MB, more than recomputing it costs; see set_prediction_cache_bytes).
+    const bool cache = n.r > 1 && nblk * n.I * n.JD() * vbl <= prediction_cache_bytes.load(std::memory_order_relaxed);
+    auto uh_cache = cache ? lanes_buffer(nblk, {n.I, n.JD()}, L, u.options()) : at::Tensor();
     const lanes::LaneDims ln{n.B, n.I, n.J, n.D, n.Din, n.r};
     AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "capsule_routing_forward_cpu", [&] {
       pack_lanes(u.data_ptr<scalar_t>(), n.B, n.I * n.Din, L, ul.data_ptr<scalar_t>());
@@ -511,9 +517,11 @@ std::tuple<at::Tensor, at::Tensor> capsule_routing_forward_cpu(const at::Tensor&
       scalar_t* parts_ptr = parts.data_ptr<scalar_t>();
       scalar_t* s_ptr = s_all.data_ptr<scalar_t>();
       scalar_t* v_ptr = v.data_ptr<scalar_t>();
+      scalar_t* cache_ptr = cache ? uh_cache.data_ptr<scalar_t>() : nullptr;
       for (int64_t t = 0; t < n.r; ++t) {  // per iteration: the (block, chunk) sums in parallel, then per block
         at::parallel_for(0, nblk * nchunk, 1, [&](int64_t begin, int64_t end) {
-          CAPSNET_LANES_CALL(isa, vbl, lanes_forward_chunks, w_ptr, ul_ptr, ln, t, begin, end, a_ptr, parts_ptr);
+          CAPSNET_LANES_CALL(isa, vbl, lanes_forward_chunks, w_ptr, ul_ptr, ln, t, begin, end, a_ptr, parts_ptr,
+                             cache_ptr);
         });
         at::parallel_for(0, nblk, 1, [&](int64_t begin, int64_t end) {
           CAPSNET_LANES_CALL(isa, vbl, lanes_forward_finish, ln, t, begin, end, parts_ptr, a_ptr, s_ptr, v_ptr);
@@ -681,6 +689,9 @@ at::Tensor routing_from_predictions_cpu(const at::Tensor& u_hat, int64_t iterati
 namespace capsnet::ops {
 void set_cpu_isa(CpuIsa isa) { cpu::forced_isa.store(isa, std::memory_order_relaxed); }
 void set_cpu_kernel(CpuKernel kernel) { cpu::forced_kernel.store(kernel, std::memory_order_relaxed); }
+void set_prediction_cache_bytes(int64_t bytes) {
+  cpu::prediction_cache_bytes.store(bytes < 0 ? kPredictionCacheBytes : bytes, std::memory_order_relaxed);
+}
 }  // namespace capsnet::ops
 
 TORCH_LIBRARY_IMPL(capsnet, CPU, m) {

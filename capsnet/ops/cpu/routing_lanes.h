@@ -180,9 +180,12 @@ inline int64_t child_chunks(int64_t I) { return (I + kChildChunk - 1) / kChildCh
 // Forward, iteration t, tasks [task_begin, task_end) of (block q, chunk k) = (task / nchunk, task % nchunk):
 // parts[q, k] = sum over the chunk's children of c^t_ij u_hat_ij (t = 0: of u_hat_ij, c = 1/J applied in
 // forward_finish). a: [nblk, J*D] A^t per block; parts: [nblk, nchunk, J*D].
+// uh_cache: [nblk, I, J*D, L] or null. When given, iteration 0 stores every u_hat_{.|i} there and later
+// iterations read it instead of recomputing it: the same values (predict_child is deterministic), so the
+// outputs are bit-identical with or without it; the caller gives one only when it is small (small batches).
 template <typename T, int VB, int DIN>
 CAPSNET_INLINE void forward_chunks(const T* w, const T* ul, const LaneDims& n, int64_t t, int64_t task_begin,
-                                   int64_t task_end, const T* a, T* parts) {
+                                   int64_t task_end, const T* a, T* parts, T* uh_cache) {
   using Vt = vec::V<T, VB>;
   const int64_t JD = n.JD(), J = n.J, D = n.D, Din = child_dims<DIN>(n.Din), nchunk = child_chunks(n.I);
   Scratch<T, VB> scratch(JD + J);
@@ -196,14 +199,24 @@ CAPSNET_INLINE void forward_chunks(const T* w, const T* ul, const LaneDims& n, i
     std::fill(s, s + JD, Vt{});
     for (int64_t i = k * kChildChunk; i < std::min(n.I, (k + 1) * kChildChunk); ++i) {
       const T* w_i = w + i * JD * Din;
+      Vt* const cached = uh_cache ? reinterpret_cast<Vt*>(uh_cache) + (q * n.I + i) * JD : nullptr;
       if (t == 0) {  // c_ij = 1/J: sum the predictions, scale once in forward_finish
-        predict_child<T, VB, DIN, true>(w_i, uq + i * Din, JD, Din, s);
+        if (cached) {
+          predict_child<T, VB, DIN, false>(w_i, uq + i * Din, JD, Din, cached);
+          for (int64_t x = 0; x < JD; ++x) s[x] += cached[x];
+        } else {
+          predict_child<T, VB, DIN, true>(w_i, uq + i * Din, JD, Din, s);
+        }
         continue;
       }
-      predict_child<T, VB, DIN, false>(w_i, uq + i * Din, JD, Din, uh);
-      coupling<T, VB>(uh, aq, J, D, c);
+      const Vt* uh_i = cached;
+      if (!cached) {
+        predict_child<T, VB, DIN, false>(w_i, uq + i * Din, JD, Din, uh);
+        uh_i = uh;
+      }
+      coupling<T, VB>(uh_i, aq, J, D, c);
       for (int64_t j = 0; j < J; ++j)
-        for (int64_t d = 0; d < D; ++d) s[j * D + d] += c[j] * uh[j * D + d];
+        for (int64_t d = 0; d < D; ++d) s[j * D + d] += c[j] * uh_i[j * D + d];
     }
   }
 }

@@ -1,0 +1,47 @@
+#include "capsnet/nn/cast_cache.h"
+
+namespace capsnet::nn {
+
+CastCache& CastCache::operator=(const CastCache&) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  data_ = nullptr;
+  version_ = -1;
+  copy_ = torch::Tensor();
+  return *this;
+}
+
+torch::Tensor CastCache::get(const torch::Tensor& t, torch::ScalarType dtype) {
+  if (!t.defined()) return t;
+  if (torch::GradMode::is_enabled()) {
+    // Training: the optimizer step after this forward may change t without bumping its version counter
+    // (LibTorch 1.13's SGD updates p.data()), so the kept copy is dropped; the cast joins the graph.
+    std::lock_guard<std::mutex> lock(mutex_);
+    copy_ = torch::Tensor();
+    data_ = nullptr;
+    return t.to(dtype);
+  }
+  if (t.scalar_type() == dtype) return t.to(dtype);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!copy_.defined() || data_ != t.data_ptr() || version_ != t._version() || dtype_ != dtype) {
+    copy_ = t.to(dtype);  // [same shape as t]
+    data_ = t.data_ptr();
+    version_ = t._version();
+    dtype_ = dtype;
+    ++casts_;
+  }
+  return copy_;
+}
+
+int64_t CastCache::casts() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return casts_;
+}
+
+torch::Tensor linear_at(torch::nn::Linear& linear, const torch::Tensor& x, Precision precision,
+                        LinearCastCache& cache) {
+  if (precision == Precision::kFloat32) return linear->forward(x);
+  const auto dtype = compute_dtype(precision);
+  return torch::linear(x.to(dtype), cache.weight.get(linear->weight, dtype), cache.bias.get(linear->bias, dtype));
+}
+
+}  // namespace capsnet::nn
