@@ -94,6 +94,52 @@ TEST(EmRouting, FastMatchesReferenceValuesAndGradientsFloat64) {
   }
 }
 
+// The fused vote passes (ops/em.h, the default for float CPU votes) against the composite ATen form
+// they replace: the same poses, activations and gradients, with the default E-step normalisation and
+// with a child_log_total hook, in float64 and at the paper's small ConvCaps1 size in float32.
+TEST(EmRouting, FusedVotePassesEqualTheCompositeForm) {
+  ScopedThreads two(2);
+  struct Case {
+    int64_t B, I, J, D;
+    torch::Dtype dtype;
+    double tol;
+  };
+  for (const auto& c : {Case{3, 6, 4, 16, torch::kDouble, 1e-11}, Case{50, 72, 16, 16, torch::kFloat, 2e-4}})
+    for (bool hook : {false, true}) {
+      auto in = make_inputs(c.B, c.I, c.J, c.D, 13, false);
+      auto votes = in.votes.to(c.dtype).requires_grad_(), a = in.a.to(c.dtype).requires_grad_();
+      auto bu = in.beta_u.to(c.dtype).requires_grad_(), ba = in.beta_a.to(c.dtype).requires_grad_();
+      EmRoutingOptions opt;
+      opt.normalize_cost = true;
+      opt.inverse_temperature = paper_inverse_temperature_schedule(3, 1.0);
+      opt.variance_eps = 0.1;
+      // A hook that couples the problems (children shared by pairs of problems, as overlapping
+      // windows share them), so that R differs from the per-problem softmax.
+      if (hook)
+        opt.child_log_total = [](const torch::Tensor& lw) {
+          auto per_problem = torch::logsumexp(lw, 2, true);  // [B, I, 1]
+          return torch::logaddexp(per_problem, per_problem.roll(1, 0));
+        };
+      const std::string tag = std::string(c.dtype == torch::kDouble ? "f64" : "f32 small-model size") +
+                              (hook ? ", coupled problems" : ", per problem");
+      torch::manual_seed(3);
+      const auto Rp = torch::randn({c.B, c.J, c.D}, votes.options()), Ra = torch::randn({c.B, c.J}, votes.options());
+      auto run = [&](bool fused) {
+        opt.fused_vote_passes = fused;
+        auto r = em_routing(votes, a, bu, ba, opt);
+        auto g = torch::autograd::grad({(r.poses * Rp).sum() + (r.activations * Ra).sum()}, {votes, a, bu, ba});
+        g.insert(g.begin(), {r.poses.detach(), r.activations.detach()});
+        return g;
+      };
+      const auto fast = run(true), slow = run(false);
+      const char* names[] = {"poses", "activations", "grad votes", "grad activations_in", "grad beta_u", "grad beta_a"};
+      for (size_t k = 0; k < fast.size(); ++k) {
+        const double scale = std::max(1.0, slow[k].abs().max().item<double>());
+        expect_close(fast[k], slow[k], c.tol * scale, tag + " " + names[k]);
+      }
+    }
+}
+
 TEST(EmRouting, ScalarBetasEqualConstantPerParentBetas) {
   ScopedThreads one(1);
   auto in = make_inputs(2, 4, 3, 4, 3, false);

@@ -5,6 +5,9 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+
+#include "capsnet/ops/em.h"
 
 namespace capsnet {
 namespace {
@@ -186,20 +189,32 @@ EmRoutingResult em_routing(const torch::Tensor& votes, const torch::Tensor& acti
   const double mass_scale = options.normalize_cost ? double(J) / double(I) : 1.0;
   const auto a_in = activations_in.unsqueeze(2);  // [B, I, 1]
 
+  // The fused vote passes read the votes once each; the composite form below makes several passes and
+  // temporaries of the votes' size per iteration (docs/em.md).
+  const bool fused = options.fused_vote_passes && votes.device().is_cpu() &&
+                     (votes.scalar_type() == torch::kFloat || votes.scalar_type() == torch::kDouble);
+  const auto V = fused ? votes.contiguous() : votes;  // [B, I, J, D], made contiguous once for every pass
+
   // R: [B, I, J], uniform over all of each child's parents.
   auto R = options.child_log_total ? torch::exp(-options.child_log_total(torch::zeros({B, I, J}, votes.options())))
                                          .expand({B, I, J})
                                    : torch::full({B, I, J}, 1.0 / J, votes.options());
-  torch::Tensor mu, var, logit;
+  torch::Tensor mu, var, logit, sq;
   for (int64_t t = 0; t < options.iterations; ++t) {
     const double lambda = detail::inverse_temperature_at(options, t);
     // M-step.
-    const auto Ra = R * a_in;                                   // [B, I, J]
-    const auto mass = Ra.sum(1);                                // sum_i R_ij: [B, J]
-    const auto weights = (Ra / (mass.unsqueeze(1) + options.mass_eps)).unsqueeze(3);  // [B, I, J, 1]
-    mu = (weights * votes).sum(1);                              // mu: [B, J, D]
-    const auto sq = (votes - mu.unsqueeze(1)).pow(2);           // (V - mu)^2: [B, I, J, D], the E-step's too
-    var = (weights * sq).sum(1) + options.variance_eps;         // sigma^2: [B, J, D]
+    const auto Ra = R * a_in;                                                 // [B, I, J]
+    const auto mass = Ra.sum(1);                                              // sum_i R_ij: [B, J]
+    const auto weights = Ra / (mass.unsqueeze(1) + options.mass_eps);         // [B, I, J]
+    if (fused) {
+      torch::Tensor spread;
+      std::tie(mu, spread) = ops::em_weighted_moments(weights, V);            // mu, sum_i w (V - mu)^2: [B, J, D]
+      var = spread + options.variance_eps;                                    // sigma^2: [B, J, D]
+    } else {
+      mu = (weights.unsqueeze(3) * V).sum(1);                                 // mu: [B, J, D]
+      sq = (V - mu.unsqueeze(1)).pow(2);                                      // (V - mu)^2: [B, I, J, D], the E-step's too
+      var = (weights.unsqueeze(3) * sq).sum(1) + options.variance_eps;        // sigma^2: [B, J, D]
+    }
     auto cost = ((beta_u + 0.5 * torch::log(var)) * (mass * mass_scale).unsqueeze(2)).sum(2);  // [B, J]
     if (options.standardize_cost) cost = detail::standardize_over_parents(cost, options.cost_std_eps);
     // Offset outside lambda: beta_a stays a logit of its own, so Adam's steps on it are not scaled by lambda.
@@ -207,7 +222,8 @@ EmRoutingResult em_routing(const torch::Tensor& votes, const torch::Tensor& acti
     if (t == options.iterations - 1) break;
     // E-step in log space: log(a_j p_ij) = logsigmoid(logit_j) + log N(V_ij; mu_j, sigma_j^2). The
     // log(2 pi sigma^2) term does not depend on i: summed over d on [B, J, D], not on [B, I, J, D].
-    const auto log_p = -0.5 * ((sq / var.unsqueeze(1)).sum(3) + torch::log(2 * M_PI * var).sum(2).unsqueeze(1));
+    const auto distance = fused ? ops::em_scaled_distance(V, mu, var) : (sq / var.unsqueeze(1)).sum(3);  // [B, I, J]
+    const auto log_p = -0.5 * (distance + torch::log(2 * M_PI * var).sum(2).unsqueeze(1));
     const auto log_weights = torch::log_sigmoid(logit).unsqueeze(1) + log_p;  // [B, I, J]
     R = options.child_log_total ? torch::exp(log_weights - options.child_log_total(log_weights))
                                 : torch::softmax(log_weights, 2);  // [B, I, J]

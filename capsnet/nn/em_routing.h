@@ -57,6 +57,11 @@ struct EmRoutingOptions {
   bool standardize_cost = false;
   /// Added to the variance of the costs over the parents (standardize_cost): equal costs give 0, not 0/0.
   double cost_std_eps = 1e-6;
+  /// true: the passes over the votes (the M-step's weighted mean and variance, the E-step's scaled
+  /// distance) run in the fused operators of ops/em.h, for float32 / float64 CPU votes; other votes
+  /// use the composite form. false: always the composite ATen form (kept for comparison and tests).
+  /// Both compute the same values (to rounding) and gradients.
+  bool fused_vote_passes = true;
 };
 
 /// lambda_t linear from `first` (t = 1) to `last` (t = iterations); `first` when iterations == 1.

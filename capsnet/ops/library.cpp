@@ -17,4 +17,15 @@ TORCH_LIBRARY(capsnet, m) {
   m.def(
       "_routing_from_predictions_backward(Tensor grad_v, Tensor u_hat, Tensor s_all, bool grad_through_routing)"
       " -> Tensor grad_u_hat");
+
+  // EM routing's passes over the votes (em.h). weights: [B, I, J], votes: [B, I, J, D],
+  // mean / variance: [B, J, D], distance: [B, I, J].
+  m.def("em_weighted_moments(Tensor weights, Tensor votes) -> (Tensor mean, Tensor variance)");
+  m.def(
+      "_em_weighted_moments_backward(Tensor grad_mean, Tensor grad_variance, Tensor weights, Tensor votes,"
+      " Tensor mean) -> (Tensor grad_weights, Tensor grad_votes)");
+  m.def("em_scaled_distance(Tensor votes, Tensor mean, Tensor variance) -> Tensor");
+  m.def(
+      "_em_scaled_distance_backward(Tensor grad_distance, Tensor votes, Tensor mean, Tensor variance)"
+      " -> (Tensor grad_votes, Tensor grad_mean, Tensor grad_variance)");
 }

@@ -24,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "capsnet/ops/cpu/isa.h"
 #include "capsnet/ops/cpu/routing_lanes.h"
 #include "capsnet/ops/cpu/vec.h"
 #include "capsnet/ops/routing.h"
@@ -383,15 +384,15 @@ CAPSNET_INLINE void prediction_grad_range(const StoredPredictor<T>& predict, con
 #endif
 
 CAPSNET_DEFINE_ISA_WRAPPERS(baseline, 16, )
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define CAPSNET_HAVE_X86_COPIES 1
+#if CAPSNET_HAVE_X86_COPIES
 CAPSNET_DEFINE_ISA_WRAPPERS(avx2, 32, __attribute__((target("avx2,fma"))))
 CAPSNET_DEFINE_ISA_WRAPPERS(avx512, 64, __attribute__((target("avx512f,avx2,fma"))))
-#else
-#define CAPSNET_HAVE_X86_COPIES 0
 #endif
 
-// The widest copy the CPU runs, capped by ops::set_cpu_isa (read per call: tests switch it).
+}  // namespace
+
+// The widest copy the CPU runs, capped by ops::set_cpu_isa (read per call: tests switch it). Also
+// used by the EM kernels (isa.h).
 CpuIsa selected_isa() {
 #if CAPSNET_HAVE_X86_COPIES
   static const CpuIsa best = __builtin_cpu_supports("avx512f")                                 ? CpuIsa::avx512
@@ -403,6 +404,8 @@ CpuIsa selected_isa() {
   const CpuIsa cap = forced_isa.load(std::memory_order_relaxed);
   return cap == CpuIsa::automatic ? best : std::min(cap, best);
 }
+
+namespace {
 
 int64_t vector_bytes(CpuIsa isa) { return isa == CpuIsa::avx512 ? 64 : isa == CpuIsa::avx2 ? 32 : 16; }
 
@@ -436,14 +439,6 @@ int64_t lane_bytes(CpuIsa isa, int64_t batch, int64_t element_size) {
 #define CAPSNET_LANES_CALL(isa, vbl, name, ...) name##_baseline<scalar_t, 16>(__VA_ARGS__)
 #endif
 
-#if CAPSNET_HAVE_X86_COPIES
-#define CAPSNET_ISA_CALL(isa, name, ...)                          \
-  ((isa) == CpuIsa::avx512 ? name##_avx512<scalar_t>(__VA_ARGS__) \
-   : (isa) == CpuIsa::avx2 ? name##_avx2<scalar_t>(__VA_ARGS__)   \
-                           : name##_baseline<scalar_t>(__VA_ARGS__))
-#else
-#define CAPSNET_ISA_CALL(isa, name, ...) name##_baseline<scalar_t>(__VA_ARGS__)
-#endif
 
 // [B, M] -> [nblk, M, L] (lane l of block q = row q * L + l; rows past B are zero), and back.
 template <typename T>
