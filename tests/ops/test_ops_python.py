@@ -1,4 +1,4 @@
-"""The fused routing operators from Python: torch.ops.load_library + torch.ops.capsnet.*.
+"""The fused routing and EM operators from Python: torch.ops.load_library + torch.ops.capsnet.*.
 
 usage: python3 test_ops_python.py /path/to/libcapsnet_ops.so
 
@@ -162,6 +162,33 @@ def test_errors():
     expect_runtime_error(lambda: torch.autograd.grad(g.sum(), W2), "double backward")
 
 
+def test_em_ops():
+    """capsnet::em_weighted_moments / em_scaled_distance against their definitions (em.h), written
+    here in PyTorch; torch.autograd.gradcheck in float64."""
+    ops = torch.ops.capsnet
+    g = torch.Generator().manual_seed(3)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+        B, I, J, D = 6, 9, 4, 16
+        w = torch.rand(B, I, J, generator=g, dtype=torch.float64).to(dtype)
+        w = w / (w.sum(1, keepdim=True) + 1e-3)
+        V = torch.randn(B, I, J, D, generator=g, dtype=torch.float64).to(dtype)
+        mean, var = ops.em_weighted_moments(w, V)
+        ref_mean = torch.einsum("bij,bijd->bjd", w, V)
+        ref_var = torch.einsum("bij,bijd->bjd", w, (V - ref_mean[:, None]) ** 2)
+        assert rel_err(mean, ref_mean) < tol and rel_err(var, ref_var) < tol, f"moments {dtype}"
+        s2 = var + 0.1
+        dist = ops.em_scaled_distance(V, mean, s2)
+        assert rel_err(dist, ((V - mean[:, None]) ** 2 / s2[:, None]).sum(-1)) < tol, f"distance {dtype}"
+    w = torch.rand(2, 3, 2, generator=g, dtype=torch.float64).requires_grad_(True)
+    V = torch.randn(2, 3, 2, 4, generator=g, dtype=torch.float64).requires_grad_(True)
+    mu = torch.randn(2, 2, 4, generator=g, dtype=torch.float64).requires_grad_(True)
+    s2 = (torch.rand(2, 2, 4, generator=g, dtype=torch.float64) + 0.3).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: ops.em_weighted_moments(a, b), (w, V))
+    assert torch.autograd.gradcheck(lambda a, b, c: ops.em_scaled_distance(a, b, c), (V, mu, s2))
+    expect_runtime_error(lambda: ops.em_weighted_moments(w[:, :2], V), "weights must be")
+    expect_runtime_error(lambda: ops.em_scaled_distance(V.float(), mu, s2), "mean must have the dtype of votes")
+
+
 def main():
     if len(sys.argv) != 2:
         print(__doc__)
@@ -169,7 +196,7 @@ def main():
     torch.ops.load_library(sys.argv[1])
     print(f"torch {torch.__version__}, loaded {sys.argv[1]}")
     failed = 0
-    for test in (test_matches_reference, test_gradcheck, test_errors):
+    for test in (test_matches_reference, test_gradcheck, test_errors, test_em_ops):
         try:
             test()
             print(f"PASS {test.__name__}")
