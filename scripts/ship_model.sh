@@ -1,41 +1,55 @@
 #!/usr/bin/env bash
-# Turns a training checkpoint into the shipped model: fp16 weights + model card + SHA-256.
+# Turns a training checkpoint into the shipped model: weights (fp16 by default) + model card + SHA-256.
 #   scripts/ship_model.sh CHECKPOINT OUT_DIR "COMMAND THAT TRAINED IT" [DATASET]
-# Writes OUT_DIR/capsnet-<dataset>.pt (weights only, fp16 storage, an 8-image probe for ports, the
-# card inside as JSON), OUT_DIR/card.json and OUT_DIR/SHA256SUMS. The card's accuracy is measured on
-# the fp16 file itself, over the whole test split, so `capsnet eval` on it prints exactly that.
+# Writes OUT_DIR/capsnet-<dataset>.pt (weights only, fp16 storage unless STORAGE says otherwise, an
+# 8-image probe for ports, the card inside as JSON), OUT_DIR/card.json and OUT_DIR/SHA256SUMS. The card's accuracy is measured on
+# the stored file itself, over the whole test split, so `capsnet eval` on it prints exactly that.
+# Either network: a CapsNet checkpoint, or one of `capsnet em` (matrix capsules, EM routing).
+# Environment: NAME (file stem, default capsnet-<dataset>), STEPS_PER_EPOCH (for the card's epochs;
+# default 600, i.e. 60,000 images at batch 100; `capsnet em` at batch 32: 1875), STORAGE (fp16 by
+# default; fp32 or bf16).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CLI="${CAPSNET_CLI:-$ROOT/build/bin/capsnet}"  # CAPSNET_CLI: another build of the tool
 CKPT="$1"; OUT="$2"; COMMAND="$3"; DATASET="${4:-mnist}"
-NAME="capsnet-$DATASET.pt"
+NAME="${NAME:-capsnet-$DATASET}.pt"
+STEPS_PER_EPOCH="${STEPS_PER_EPOCH:-600}"
+STORAGE="${STORAGE:-fp16}"
 mkdir -p "$OUT"
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 
-"$CLI" export --checkpoint "$CKPT" --storage fp16 --probe 8 --out "$tmp/w.pt"
+"$CLI" export --checkpoint "$CKPT" --storage "$STORAGE" --probe 8 --out "$tmp/w.pt"
 "$CLI" eval --checkpoint "$tmp/w.pt" --dataset "$DATASET" --json --no-progress > "$tmp/eval.json"
-step=$(/usr/bin/python3 -c "import torch; print(torch.load('$tmp/w.pt')['step'])")
-/usr/bin/python3 - "$tmp/eval.json" "$CKPT" "$step" "$DATASET" "$COMMAND" > "$tmp/card.json" <<'EOF'
-import json, sys
+/usr/bin/python3 - "$tmp/eval.json" "$CKPT" "$tmp/w.pt" "$DATASET" "$COMMAND" "$STEPS_PER_EPOCH" "$STORAGE" > "$tmp/card.json" <<'EOF'
+import json, sys, torch
 ev = json.load(open(sys.argv[1]))
-ckpt, step, dataset, command = sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
-meta_epochs = step / 600  # 60,000 training images at batch 100
+ckpt, weights, dataset, command, steps_per_epoch = sys.argv[2], torch.load(sys.argv[3]), sys.argv[4], sys.argv[5], int(sys.argv[6])
+storage = sys.argv[7]
+step = weights["step"]
+c = json.loads(weights["config"])
+if weights.get("model", "capsnet") == "matrix-capsnet":
+    model = (f"Matrix capsules with EM routing (Hinton, Sabour & Frosst 2018): ReLU Conv1 A={c['conv1_channels']}@5x5, "
+             f"PrimaryCaps B={c['primary_types']}, ConvCaps1 C={c['conv1_caps_types']}, ConvCaps2 D={c['conv2_caps_types']}, "
+             f"class capsules with coordinate addition, 4x4 poses, {c['routing_iterations']} EM iterations")
+else:
+    model = "CapsNet (Sabour et al. 2017): Conv1 256@9x9, PrimaryCaps 32x8D, DigitCaps 10x16D, r=3, decoder"
+meta_epochs = step / steps_per_epoch
 wrong = ev["examples"] - sum(ev["confusion"][k][k] for k in range(len(ev["confusion"])))
 print(json.dumps({
-    "model": "CapsNet (Sabour et al. 2017): Conv1 256@9x9, PrimaryCaps 32x8D, DigitCaps 10x16D, r=3, decoder",
+    "model": model,
     "dataset": dataset,
     "command": command,
     "steps": step,
     "epochs": round(meta_epochs, 3),
-    "precision": "trained with fp32 master weights (see docs/results.md for the compute precision per epoch); stored fp16",
-    "storage": "fp16",
+    "precision": "trained with fp32 master weights (see docs/results.md for the compute precision per epoch); stored " + storage,
+    "storage": storage,
     "test_accuracy": ev["accuracy"],
     "test_errors": wrong,
     "test_examples": ev["examples"],
     "evaluated_with": "capsnet eval on this file (fp32 compute), whole test split",
 }, indent=2))
 EOF
-"$CLI" export --checkpoint "$tmp/w.pt" --storage fp16 --probe 8 --card "$tmp/card.json" --out "$OUT/$NAME"
+"$CLI" export --checkpoint "$tmp/w.pt" --storage "$STORAGE" --probe 8 --card "$tmp/card.json" --out "$OUT/$NAME"
 # The card as stored in the file (export adds the class names, image fit and dataset to it).
 /usr/bin/python3 -c "import json, sys, torch; print(json.dumps(json.loads(torch.load(sys.argv[1])['card']), indent=2))" \
   "$OUT/$NAME" > "$OUT/card.json"

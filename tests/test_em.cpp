@@ -976,5 +976,51 @@ TEST(EmCli, EvalEveryStandardizedCostLambdaBaseAndLrDecayReachTheRun) {
   EXPECT_EQ(net->class_caps->options.routing().variance_eps, 0.25);
 }
 
+TEST(EmCli, ExportAndEvalTakeTheRunsModelAndOtherCommandsRefuseIt) {
+  // capsnet eval on the run's checkpoint and on its exported weights gives the accuracy the run
+  // reported; predict (CapsNet only) says what the file holds.
+  testing::TempDir dir;
+  testing::write_fake_mnist(dir / "data", 64, 30);
+  const std::string out = dir / "out", data = dir / "data";
+  const auto [output, j] = run_em(data, out,
+                                  "--steps 3 --batch-size 8 --test-size 30 --conv1-channels 4 --primary-types 2"
+                                  " --caps1-types 2 --caps2-types 2 --routing-iters 2 --threads 1 --no-progress");
+  ASSERT_FALSE(HasFailure());
+  const std::string ckpt = out + "/checkpoint.pt", weights = dir / "em.pt";
+  auto exported = testing::run_command(std::string(CAPSNET_CLI) + " export --checkpoint " + ckpt + " --out " + weights +
+                                       " --probe 2 --threads 1");
+  ASSERT_EQ(exported.status, 0) << exported.output;
+  EXPECT_NE(exported.output.find("(step 3)"), std::string::npos) << exported.output;
+
+  for (const std::string& file : {ckpt, weights}) {
+    auto r = testing::run_command(std::string(CAPSNET_CLI) + " eval --checkpoint " + file + " --data " + data +
+                                  " --batch-size 100 --json --threads 1");
+    ASSERT_EQ(r.status, 0) << r.output;
+    const auto e = nlohmann::json::parse(r.output.substr(r.output.find('{')));
+    EXPECT_EQ(e["model"], "matrix-capsnet") << file;
+    EXPECT_EQ(e["examples"], 30) << file;
+    EXPECT_DOUBLE_EQ(e["accuracy"].get<double>(), j["test_accuracy"].get<double>()) << file;
+    int64_t total = 0, diagonal = 0;
+    for (size_t k = 0; k < e["confusion"].size(); ++k) {
+      int64_t row = 0;
+      for (const auto& v : e["confusion"][k]) row += v.get<int64_t>();
+      EXPECT_EQ(row, 3) << "label " << k;  // write_fake_mnist: labels i % 10
+      total += row;
+      diagonal += e["confusion"][k][k].get<int64_t>();
+    }
+    EXPECT_EQ(total, 30);
+    EXPECT_EQ(diagonal, std::llround(30 * e["accuracy"].get<double>()));
+  }
+  auto text = testing::run_command(std::string(CAPSNET_CLI) + " eval --checkpoint " + weights + " --data " + data +
+                                   " --threads 1 --no-progress");
+  ASSERT_EQ(text.status, 0) << text.output;
+  EXPECT_NE(text.output.find("spread loss"), std::string::npos) << text.output;
+
+  auto predict = testing::run_command(std::string(CAPSNET_CLI) + " predict " + data +
+                                      "/t10k-images-idx3-ubyte --checkpoint " + ckpt + " --limit 1 --threads 1");
+  EXPECT_NE(predict.status, 0);
+  EXPECT_NE(predict.output.find("capsnet em"), std::string::npos) << predict.output;
+}
+
 }  // namespace
 }  // namespace capsnet

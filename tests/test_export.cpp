@@ -1,14 +1,18 @@
 // capsnet export: the weight file read back with torch::pickle_load equals the model (round trip),
-// the probe holds the model's own outputs, the CLI end to end on a tiny checkpoint, and the errors.
+// the probe holds the model's own outputs, the CLI end to end on a tiny checkpoint, and the errors;
+// the same for matrix capsules (EM routing), and each loader refusing the other network.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <set>
 
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/export.h"
 #include "test_helpers.h"
+#include "tiny_configs.h"
 
 namespace capsnet {
 namespace {
@@ -115,6 +119,87 @@ TEST(Export, CliExportsACheckpoint) {
   EXPECT_EQ(w.step, 7);
   EXPECT_EQ(w.probe.at("lengths").sizes(), (std::vector<int64_t>{2, 10}));
   expect_same_as_model(w, model);
+}
+
+std::string error_message(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "no exception";
+}
+
+TEST(Export, MatrixCapsNetRoundTripProbeAndLoaders) {
+  TempDir dir;
+  torch::manual_seed(5);
+  models::MatrixCapsNet model(testing::tiny_em_config());
+  train::ExportOptions o;
+  o.probe = 2;
+  o.storage = train::WeightStorage::kFloat16;
+  const std::string path = dir / "em.pt";
+  train::save_weights(path, model, 11, o);
+
+  auto w = train::read_weights(path);
+  EXPECT_EQ(w.model, train::kMatrixCapsNetModel);
+  EXPECT_EQ(w.step, 11);
+  EXPECT_EQ(w.config, model->config.to_json());
+  const auto params = model->named_parameters();
+  ASSERT_EQ(w.state_dict.size(), params.size() + model->named_buffers().size());
+  for (const auto& p : params) {  // the live weights were rounded to fp16 in place, so these are equal
+    ASSERT_EQ(w.state_dict.count(p.key()), 1u) << p.key();
+    EXPECT_EQ(w.state_dict.at(p.key()).dtype(), torch::kFloat16) << p.key();
+    EXPECT_TRUE(torch::equal(w.state_dict.at(p.key()).to(torch::kFloat), p.value())) << p.key();
+  }
+  std::set<std::string> probe_keys;
+  for (const auto& [k, v] : w.probe) probe_keys.insert(k);
+  EXPECT_EQ(probe_keys, (std::set<std::string>{"images", "poses", "activations"}));
+
+  // The loaders: a matrix-capsnet file builds the same network; the CapsNet loader refuses it by name.
+  EXPECT_EQ(train::stored_model(path), train::kMatrixCapsNetModel);
+  auto loaded = train::load_matrix_model(path);
+  EXPECT_FALSE(loaded->is_training());
+  {
+    torch::NoGradGuard g;
+    auto out = loaded(w.probe.at("images"));
+    EXPECT_TRUE(torch::allclose(out.activations, w.probe.at("activations"), 1e-5, 1e-6));
+    EXPECT_TRUE(torch::allclose(out.poses, w.probe.at("poses"), 1e-5, 1e-6));
+  }
+  EXPECT_NE(error_message([&] { train::load_model(path); }).find("matrix capsules"), std::string::npos);
+
+  // A checkpoint of `capsnet em` (its task is "em"): detected, loaded, exported; load_model refuses it.
+  const std::string ckpt = dir / "ckpt.pt";
+  train::save_checkpoint(ckpt, *model, nullptr, {3, model->config.to_json(), {{"task", "em"}}});
+  EXPECT_EQ(train::stored_model(ckpt), train::kMatrixCapsNetModel);
+  auto from_ckpt = train::load_matrix_model(ckpt);
+  for (const auto& p : from_ckpt->named_parameters())
+    EXPECT_TRUE(torch::equal(p.value(), params[p.key()])) << p.key();
+  EXPECT_NE(error_message([&] { train::load_model(ckpt); }).find("capsnet em"), std::string::npos);
+  const auto summary = train::export_checkpoint(ckpt, dir / "from_ckpt.pt");
+  EXPECT_EQ(summary.step, 3);
+  EXPECT_EQ(summary.parameters, models::count_parameters(*model));
+  EXPECT_EQ(train::read_weights(dir / "from_ckpt.pt").model, train::kMatrixCapsNetModel);
+
+  // A CapsNet checkpoint and weight file: "capsnet", and refused by the matrix loader.
+  auto capsnet = tiny_model(6);
+  const std::string capsnet_ckpt = dir / "capsnet_ckpt.pt";
+  train::save_checkpoint(capsnet_ckpt, capsnet, nullptr, {0, capsnet->config.to_json(), nlohmann::json::object()});
+  train::save_weights(dir / "capsnet.pt", capsnet, 0);
+  EXPECT_EQ(train::stored_model(capsnet_ckpt), train::kCapsNetModel);
+  EXPECT_EQ(train::read_weights(dir / "capsnet.pt").model, train::kCapsNetModel);
+  EXPECT_THROW(train::load_matrix_model(capsnet_ckpt), train::CheckpointError);
+  EXPECT_NE(error_message([&] { train::load_matrix_model(dir / "capsnet.pt"); }).find("holds a CapsNet"),
+            std::string::npos);
+
+  // An unknown "model" entry is an error, not a CapsNet (written without a checksum, so it loads unchecked).
+  auto d = train::export_dict(model, 0, {});
+  d.insert_or_assign("model", std::string("hopfield"));
+  {
+    std::ofstream f(dir / "unknown.pt", std::ios::binary);
+    const auto bytes = torch::pickle_save(c10::IValue(d));
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  EXPECT_NE(error_message([&] { train::read_weights(dir / "unknown.pt"); }).find("unknown model"), std::string::npos);
 }
 
 TEST(Export, ErrorsNameTheBadArgument) {

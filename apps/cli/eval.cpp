@@ -6,6 +6,8 @@
 
 #include "capsnet/data/mnist.h"
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/em.h"
+#include "capsnet/train/export.h"
 #include "capsnet/train/evaluate.h"
 #include "apps/runtime.h"
 #include "apps/cli/commands.h"
@@ -22,7 +24,7 @@ Subcommand add_eval(CLI::App& root) {
     std::string precision = "fp32";
   };
   auto f = std::make_shared<Flags>();
-  auto* app = root.add_subcommand("eval", "Accuracy and confusion matrix of a checkpoint on MNIST, Fashion-MNIST or an image folder");
+  auto* app = root.add_subcommand("eval", "Accuracy and confusion matrix of a checkpoint or weight file (CapsNet, or matrix capsules from capsnet em) on MNIST, Fashion-MNIST or an image folder");
   app->add_option("--checkpoint", f->checkpoint, "Checkpoint to evaluate (default: the shipped MNIST model, " + std::string(kShippedModel) + ")");
   add_data_flags(*app, f->data);
   add_image_folder_flags(*app, f->data, /*training=*/false);
@@ -39,22 +41,41 @@ Subcommand add_eval(CLI::App& root) {
   return {app, [f, app]() {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             if (f->threads > 0) set_threads(f->threads);
-            auto model = train::load_model(f->checkpoint);
-            model->set_precision(nn::parse_precision(f->precision));
+            const auto precision = nn::parse_precision(f->precision);
+            // Either network: a CapsNet, or matrix capsules with EM routing (capsnet em).
+            const bool matrix = train::stored_model(f->checkpoint) == train::kMatrixCapsNetModel;
+            models::CapsNet capsnet{nullptr};
+            models::MatrixCapsNet matrix_caps{nullptr};
+            int64_t image_size = 0, image_channels = 0;
+            if (matrix) {
+              matrix_caps = train::load_matrix_model(f->checkpoint);
+              matrix_caps->set_precision(precision);
+              image_size = matrix_caps->config.image_size;
+              image_channels = matrix_caps->config.image_channels;
+            } else {
+              capsnet = train::load_model(f->checkpoint);
+              capsnet->set_precision(precision);
+              image_size = capsnet->config.image_size;
+              image_channels = capsnet->config.image_channels;
+            }
             const auto spec = train::read_input_spec(f->checkpoint);
             data::ImageSet set;
             if (f->data.is_folder()) {
+              if (matrix)
+                throw std::invalid_argument(fmt::format(
+                    "{}: matrix-capsule models are evaluated on IDX data (--dataset mnist or fashion-mnist)",
+                    f->checkpoint));
               // The model's input side, and unless given the fit and split it was trained with.
               auto& d = f->data;
-              d.folder.image_size = model->config.image_size;
+              d.folder.image_size = image_size;
               if (!app->count("--image-fit")) d.fit = spec.image_fit;
               if (!app->count("--test-fraction")) d.folder.test_fraction = spec.test_fraction;
               if (!app->count("--split-seed")) d.folder.split_seed = spec.split_seed;
               auto loaded = load_labelled_data(d, f->split == "train", f->split == "test", f->limit, f->limit,
                                                f->json ? std::cerr : std::cout);
-              if (loaded.channels != model->config.image_channels)
+              if (loaded.channels != image_channels)
                 throw std::invalid_argument(fmt::format("{}: images with {} channel(s), but the model takes {}",
-                                                        d.dir, loaded.channels, model->config.image_channels));
+                                                        d.dir, loaded.channels, image_channels));
               if (loaded.class_names != spec.class_names)
                 throw std::invalid_argument(fmt::format(
                     "{}: classes ({}) differ from the model's ({})", d.dir, fmt::join(loaded.class_names, ", "),
@@ -65,9 +86,22 @@ Subcommand add_eval(CLI::App& root) {
               auto split = f->split == "train" ? data::Split::kTrain : data::Split::kTest;
               set = data::take(data::load_mnist(f->data.resolved(), split), f->limit);
             }
-            auto r = train::evaluate(model, set, f->batch_size, f->no_progress || f->json ? nullptr : &std::cerr);
+            std::ostream* progress = f->no_progress || f->json ? nullptr : &std::cerr;
+            train::EvalResult r;
+            if (matrix) {
+              auto e = train::evaluate_em(matrix_caps, set, /*count=*/0, f->batch_size, train::kFinalSpreadMargin,
+                                          progress);
+              r.examples = e.examples;
+              r.accuracy = e.accuracy;
+              r.loss = e.loss;
+              r.confusion = e.confusion;
+            } else {
+              r = train::evaluate(capsnet, set, f->batch_size, progress);
+            }
+            const char* model_kind = matrix ? train::kMatrixCapsNetModel : train::kCapsNetModel;
             if (f->json) {
-              nlohmann::json j = {{"checkpoint", f->checkpoint}, {"split", f->split},   {"examples", r.examples},
+              nlohmann::json j = {{"checkpoint", f->checkpoint}, {"model", model_kind}, {"split", f->split},
+                                  {"examples", r.examples},
                                   {"accuracy", r.accuracy},       {"error", 1 - r.accuracy}, {"loss", r.loss},
                                   {"classes", spec.class_names}};
               auto c = r.confusion.accessor<int64_t, 2>();
@@ -77,9 +111,10 @@ Subcommand add_eval(CLI::App& root) {
               }
               std::cout << j.dump() << '\n';
             } else {
-              std::cout << fmt::format("{} accuracy: {:.2f}% (error {:.2f}%, {} of {} wrong), loss {:.4f}\n", f->split,
+              std::cout << fmt::format("{} accuracy: {:.2f}% (error {:.2f}%, {} of {} wrong), {}loss {:.4f}\n", f->split,
                                        100 * r.accuracy, 100 * (1 - r.accuracy),
-                                       r.examples - r.confusion.diag().sum().item<int64_t>(), r.examples, r.loss);
+                                       r.examples - r.confusion.diag().sum().item<int64_t>(), r.examples,
+                                       matrix ? "spread " : "", r.loss);
               std::cout << train::format_confusion(r.confusion);
               bool numbered = true;  // names "0".."K-1" need no legend
               for (size_t k = 0; k < spec.class_names.size(); ++k) numbered &= spec.class_names[k] == std::to_string(k);

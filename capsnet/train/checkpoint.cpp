@@ -340,10 +340,29 @@ InputSpec read_input_spec(const std::string& path) {
   return spec;
 }
 
+namespace {
+
+// The network of a checkpoint whose meta was read: `capsnet em` writes "task": "em" into its options.
+std::string checkpoint_model(const CheckpointMeta& meta) {
+  const bool em = meta.train_options.is_object() && meta.train_options.value("task", std::string()) == "em";
+  return em ? kMatrixCapsNetModel : kCapsNetModel;
+}
+
+}  // namespace
+
+std::string stored_model(const std::string& path) {
+  if (auto weights = try_read_weights(path)) return weights->model;
+  return checkpoint_model(read_checkpoint_meta(path));
+}
+
 models::CapsNet load_model(const std::string& path) {
   // A shipped / exported weight file (weights and config only) serves wherever a model is needed.
   if (auto weights = try_read_weights(path)) return model_from_weights(*weights, path);
   auto meta = read_checkpoint_meta(path);
+  if (checkpoint_model(meta) != kCapsNetModel)
+    throw CheckpointError(fmt::format("checkpoint {}: holds matrix capsules with EM routing (capsnet em), not a "
+                                      "CapsNet; eval and export take it, this command does not",
+                                      path));
   models::CapsNetConfig config;
   try {
     config = models::CapsNetConfig::from_json(meta.model_config);
@@ -352,6 +371,26 @@ models::CapsNet load_model(const std::string& path) {
   }
   models::CapsNet model(config);
   load_checkpoint(path, model, nullptr);
+  model->eval();
+  return model;
+}
+
+models::MatrixCapsNet load_matrix_model(const std::string& path) {
+  if (auto weights = try_read_weights(path)) return matrix_model_from_weights(*weights, path);
+  auto meta = read_checkpoint_meta(path);
+  if (checkpoint_model(meta) != kMatrixCapsNetModel)
+    throw CheckpointError(fmt::format("checkpoint {}: holds a CapsNet, not matrix capsules (capsnet em)", path));
+  models::MatrixCapsNetConfig config;
+  try {
+    config = models::MatrixCapsNetConfig::from_json(meta.model_config);
+  } catch (const std::exception& e) {
+    throw CheckpointError(fmt::format("checkpoint {}: bad model config: {}", path, e.what()));
+  }
+  models::MatrixCapsNet model(config);
+  // Through from_json, as a resume compares them: a config from before issue 14 means the legacy routing.
+  load_checkpoint(path, *model, nullptr, [&](const nlohmann::json& saved) {
+    return models::MatrixCapsNetConfig::from_json(saved).to_json() == config.to_json();
+  });
   model->eval();
   return model;
 }

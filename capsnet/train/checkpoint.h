@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "capsnet/models/capsnet.h"
+#include "capsnet/models/matrix_capsnet.h"
 
 namespace capsnet::train {
 
@@ -72,6 +73,16 @@ InputSpec read_input_spec(const std::string& path);
 
 /// Builds the model described by the checkpoint and loads its weights (for eval / predict).
 /// Also accepts a weight file written by save_weights (export.h), e.g. the shipped model.
+/// A checkpoint of `capsnet em` or a matrix-capsnet weight file: CheckpointError saying which commands take it.
 models::CapsNet load_model(const std::string& path);
+
+/// Which network a checkpoint or weight file holds: "capsnet" or "matrix-capsnet" (export.h's kCapsNetModel,
+/// kMatrixCapsNetModel). A checkpoint's is its training task ("em" -> matrix-capsnet); CheckpointError /
+/// ExportError for a file that is neither.
+std::string stored_model(const std::string& path);
+
+/// The matrix-capsule network (EM routing) of a `capsnet em` checkpoint or a matrix-capsnet weight file,
+/// weights loaded, eval mode, fp32. CheckpointError / ExportError naming the file otherwise.
+models::MatrixCapsNet load_matrix_model(const std::string& path);
 
 }  // namespace capsnet::train

@@ -58,12 +58,16 @@ EmEval evaluate_em(models::MatrixCapsNet& model, const data::ImageSet& set, int6
   ProgressBar bar(progress ? *progress : std::cerr, "eval", n, progress != nullptr);
   int64_t correct = 0;
   double loss_sum = 0;
+  const int64_t K = model->config.num_classes;
+  auto confusion = torch::zeros({K * K}, torch::kLong);  // flattened [K, K]
   for (int64_t start = 0; start < n; start += batch_size) {
     const int64_t len = std::min(batch_size, n - start);
     auto images = to_input(set.images.narrow(0, start, len));
-    auto labels = set.labels.narrow(0, start, len);
+    auto labels = set.labels.narrow(0, start, len).to(torch::kLong);
     auto out = model->forward(images);  // activations: [len, classes]
-    correct += out.activations.argmax(1).eq(labels).sum().item<int64_t>();
+    const auto predicted = out.activations.argmax(1);
+    correct += predicted.eq(labels).sum().item<int64_t>();
+    confusion.index_add_(0, labels * K + predicted, torch::ones({len}, torch::kLong));
     loss_sum += spread_loss(out.activations, labels, margin).item<double>() * len;
     bar.update(start + len, fmt::format("accuracy {:.2f}%", 100.0 * correct / (start + len)));
   }
@@ -72,6 +76,7 @@ EmEval evaluate_em(models::MatrixCapsNet& model, const data::ImageSet& set, int6
   r.accuracy = n ? double(correct) / n : 0;
   r.loss = n ? loss_sum / n : 0;
   r.seconds = seconds_since(t0);
+  r.confusion = confusion.view({K, K});
   bar.finish(fmt::format("accuracy {:.2f}% (error {:.2f}%)", 100 * r.accuracy, 100 * (1 - r.accuracy)));
   if (was_training) model->train();
   return r;

@@ -15,6 +15,10 @@
 
 namespace capsnet::train {
 
+/// The paper's spread-loss margin at the end of training (Sec. 3.1: annealed from 0.2 to 0.9); the
+/// margin at which a trained model's loss is reported.
+inline constexpr double kFinalSpreadMargin = 0.9;
+
 struct EmTrainOptions {
   models::MatrixCapsNetConfig model;
   std::string out_dir = "runs/em";  // metrics.jsonl and checkpoint.pt go here
@@ -25,7 +29,7 @@ struct EmTrainOptions {
   double lr_decay = 1.0;        // learning rate multiplied by this once per epoch, applied smoothly per step
                                 // (1 = constant, the paper's setting: it anneals the margin instead)
   double margin_start = 0.2;    // spread-loss margin at step 0 ...
-  double margin_end = 0.9;      // ... reached at the last step (linear)
+  double margin_end = kFinalSpreadMargin;  // ... reached at the last step (linear)
   uint64_t seed = 1;            // initialisation and the order of the training examples
   int64_t train_size = 0;       // first examples of the training split used (0 = all)
   int64_t test_size = 10000;    // first test examples evaluated at the end (0 = none)
@@ -53,6 +57,7 @@ struct EmEval {
   double accuracy = 0;  // argmax of the class activations == label
   double loss = 0;      // mean spread loss at margin m
   double seconds = 0;
+  torch::Tensor confusion;  // [K, K] int64, rows = true label, columns = prediction
 };
 
 struct EmTrainResult {

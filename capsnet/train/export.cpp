@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <set>
 
@@ -138,51 +139,58 @@ std::string weight_storage_name(WeightStorage storage) {
   }
 }
 
-c10::impl::GenericDict export_dict(models::CapsNet& model, int64_t step, const ExportOptions& options) {
+namespace {
+
+// The probe's outputs of one network on images [N, C, H, W] (eval mode, no gradients).
+using ProbeOutputs = std::function<std::map<std::string, torch::Tensor>(const torch::Tensor& images)>;
+
+// export_dict for either network: `config` and `image` describe its input side, `probe_outputs` its
+// reference outputs.
+c10::impl::GenericDict weights_dict(torch::nn::Module& model, const char* kind, const nlohmann::json& config,
+                                    int64_t image_channels, int64_t image_size, int64_t step,
+                                    const ExportOptions& options, const ProbeOutputs& probe_outputs) {
   if (options.probe < 0)
     throw std::invalid_argument(fmt::format("export: probe must be >= 0, got {}", options.probe));
   const auto dtype = storage_dtype(options.storage);
   std::map<std::string, torch::Tensor> state;
   {
     torch::NoGradGuard no_grad;
-    for (const auto& p : model->named_parameters()) {
+    for (const auto& p : model.named_parameters()) {
       // Round the live weights to the stored type, so the probe below (and any later use of this
       // model) computes exactly what a loader of the file will.
       if (dtype != torch::kFloat32 && p.value().is_floating_point()) p.value().copy_(p.value().to(dtype));
       state[p.key()] = p.value().is_floating_point() ? p.value().to(dtype) : p.value();
     }
-    for (const auto& b : model->named_buffers())
+    for (const auto& b : model.named_buffers())
       state[b.key()] = b.value().is_floating_point() ? b.value().to(dtype) : b.value();
   }
 
   c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());  // str -> Any: a mixed Python dict
   d.insert("format", std::string(kWeightsFormat));
   d.insert("version", kWeightsVersion);
-  d.insert("config", model->config.to_json().dump());
+  d.insert("model", std::string(kind));
+  d.insert("config", config.dump());
   d.insert("step", step);
   d.insert("state_dict", tensor_dict(state));
   d.insert("storage", weight_storage_name(options.storage));
   if (!options.card.is_null()) d.insert("card", options.card.dump());
 
   if (options.probe > 0) {
-    const auto& c = model->config;
     torch::NoGradGuard no_grad;
-    const bool was_training = model->is_training();
-    model->eval();
+    const bool was_training = model.is_training();
+    model.eval();
     auto gen = at::make_generator<at::CPUGeneratorImpl>(options.probe_seed);
-    auto images = torch::rand({options.probe, c.image_channels, c.image_size, c.image_size}, gen);  // [N, C, H, W]
-    auto out = model(images);
-    model->train(was_training);
-    std::map<std::string, torch::Tensor> probe = {
-        {"images", images}, {"digit_caps", out.digit_caps}, {"lengths", out.lengths}};
-    if (out.reconstruction.defined()) probe["reconstruction"] = out.reconstruction;
+    auto images = torch::rand({options.probe, image_channels, image_size, image_size}, gen);  // [N, C, H, W]
+    auto probe = probe_outputs(images);
+    model.train(was_training);
+    probe["images"] = images;
     d.insert("probe", tensor_dict(probe));
   }
   return d;
 }
 
-int64_t save_weights(const std::string& path, models::CapsNet& model, int64_t step, const ExportOptions& options) {
-  auto d = export_dict(model, step, options);
+// Writes a dict of weights_dict plus its checksum.
+int64_t write_weights(const std::string& path, c10::impl::GenericDict d) {
   d.insert(kChecksumKey, content_crc(path, d));
   const std::vector<char> bytes = torch::pickle_save(c10::IValue(d));
   try {
@@ -191,6 +199,39 @@ int64_t save_weights(const std::string& path, models::CapsNet& model, int64_t st
     throw ExportError(fmt::format("weights {}: {}", path, e.what()));
   }
   return static_cast<int64_t>(bytes.size());
+}
+
+}  // namespace
+
+c10::impl::GenericDict export_dict(models::CapsNet& model, int64_t step, const ExportOptions& options) {
+  const auto& c = model->config;
+  return weights_dict(*model, kCapsNetModel, c.to_json(), c.image_channels, c.image_size, step, options,
+                      [&](const torch::Tensor& images) {
+                        auto out = model(images);
+                        std::map<std::string, torch::Tensor> probe = {{"digit_caps", out.digit_caps},
+                                                                      {"lengths", out.lengths}};
+                        if (out.reconstruction.defined()) probe["reconstruction"] = out.reconstruction;
+                        return probe;
+                      });
+}
+
+c10::impl::GenericDict export_dict(models::MatrixCapsNet& model, int64_t step, const ExportOptions& options) {
+  const auto& c = model->config;
+  return weights_dict(*model, kMatrixCapsNetModel, c.to_json(), c.image_channels, c.image_size, step, options,
+                      [&](const torch::Tensor& images) {
+                        auto out = model(images);
+                        return std::map<std::string, torch::Tensor>{{"poses", out.poses},
+                                                                    {"activations", out.activations}};
+                      });
+}
+
+int64_t save_weights(const std::string& path, models::CapsNet& model, int64_t step, const ExportOptions& options) {
+  return write_weights(path, export_dict(model, step, options));
+}
+
+int64_t save_weights(const std::string& path, models::MatrixCapsNet& model, int64_t step,
+                     const ExportOptions& options) {
+  return write_weights(path, export_dict(model, step, options));
 }
 
 ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::string& out_path,
@@ -207,11 +248,7 @@ ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::s
   // A weight file (e.g. the shipped model) re-exports too: to another storage type, or with a probe.
   const auto weights_in = try_read_weights(checkpoint_path);  // read once, used for the step and the model
   const int64_t step = weights_in ? weights_in->step : read_checkpoint_meta(checkpoint_path).step;
-  auto model = weights_in ? model_from_weights(*weights_in, checkpoint_path) : load_model(checkpoint_path);
-  ExportSummary s;
-  s.step = step;
-  s.tensors = static_cast<int64_t>(model->named_parameters().size() + model->named_buffers().size());
-  s.parameters = models::count_parameters(*model);
+  const std::string kind = weights_in ? weights_in->model : stored_model(checkpoint_path);
   // The card carries what predict / eval / serve need beyond the config: class names, image fit, dataset.
   auto with_inputs = options;
   const auto spec = read_input_spec(checkpoint_path);
@@ -225,7 +262,17 @@ ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::s
       with_inputs.card.emplace("split_seed", spec.split_seed);
     }
   }
-  s.bytes = save_weights(out_path, model, step, with_inputs);
+  ExportSummary s;
+  s.step = step;
+  auto write = [&](auto model) {
+    s.tensors = static_cast<int64_t>(model->named_parameters().size() + model->named_buffers().size());
+    s.parameters = models::count_parameters(*model);
+    s.bytes = save_weights(out_path, model, step, with_inputs);
+  };
+  if (kind == kMatrixCapsNetModel)
+    write(weights_in ? matrix_model_from_weights(*weights_in, checkpoint_path) : load_matrix_model(checkpoint_path));
+  else
+    write(weights_in ? model_from_weights(*weights_in, checkpoint_path) : load_model(checkpoint_path));
   return s;
 }
 
@@ -256,8 +303,8 @@ ExportedWeights read_weights(const std::string& path) {
   // Only capsnet export writes these files: an unknown entry is a damaged key (it could be the
   // checksum's own, which would otherwise turn a checked file into an unchecked one).
   for (const auto& e : d) {
-    static const std::set<std::string> known = {"format", "version", "config",  "step", "state_dict",
-                                                "storage", "card",   "probe", kChecksumKey};
+    static const std::set<std::string> known = {"format",  "version", "model", "config", "step",
+                                                "state_dict", "storage", "card", "probe",  kChecksumKey};
     if (!e.key().isString() || !known.count(e.key().toStringRef()))
       throw ExportError(fmt::format("weights {}: corrupt (unknown entry {})", path,
                                     e.key().isString() ? "'" + e.key().toStringRef() + "'" : "of another type"));
@@ -271,6 +318,13 @@ ExportedWeights read_weights(const std::string& path) {
                                     path));
   }
   ExportedWeights w;
+  if (d.contains(c10::IValue(std::string("model")))) {  // absent in files written before it: a CapsNet
+    const auto model = get("model");
+    if (!model.isString() || (model.toStringRef() != kCapsNetModel && model.toStringRef() != kMatrixCapsNetModel))
+      throw ExportError(fmt::format("weights {}: unknown model (expected '{}' or '{}')", path, kCapsNetModel,
+                                    kMatrixCapsNetModel));
+    w.model = model.toStringRef();
+  }
   auto config = get("config");
   auto step = get("step");
   if (!config.isString() || !step.isInt()) throw ExportError(fmt::format("weights {}: malformed header", path));
@@ -314,14 +368,10 @@ bool is_weights_file(const std::string& path) {
 
 models::CapsNet load_model_from_weights(const std::string& path) { return model_from_weights(read_weights(path), path); }
 
-models::CapsNet model_from_weights(const ExportedWeights& w, const std::string& path) {
-  models::CapsNetConfig config;
-  try {
-    config = models::CapsNetConfig::from_json(w.config);
-  } catch (const std::exception& e) {
-    throw ExportError(fmt::format("weights {}: bad model config: {}", path, e.what()));
-  }
-  models::CapsNet model(config);
+namespace {
+
+// Copies the file's tensors into `model` (converted to its dtypes): every name and shape must match.
+void copy_state_in(const ExportedWeights& w, const std::string& path, torch::nn::Module& model) {
   torch::NoGradGuard no_grad;
   std::vector<std::string> problems;
   auto copy_in = [&](const std::string& name, torch::Tensor& dst) {
@@ -332,8 +382,8 @@ models::CapsNet model_from_weights(const ExportedWeights& w, const std::string& 
     dst.copy_(it->second.to(dst.scalar_type()));
   };
   size_t expected = 0;
-  for (auto& p : model->named_parameters()) copy_in(p.key(), p.value()), ++expected;
-  for (auto& b : model->named_buffers()) copy_in(b.key(), b.value()), ++expected;
+  for (auto& p : model.named_parameters()) copy_in(p.key(), p.value()), ++expected;
+  for (auto& b : model.named_buffers()) copy_in(b.key(), b.value()), ++expected;
   if (w.state_dict.size() != expected && problems.empty())
     problems.push_back(fmt::format("{} tensors in the file, {} in the model", w.state_dict.size(), expected));
   if (!problems.empty()) {
@@ -341,7 +391,38 @@ models::CapsNet model_from_weights(const ExportedWeights& w, const std::string& 
     for (const auto& p : problems) all += (all.empty() ? "" : "; ") + p;
     throw ExportError(fmt::format("weights {}: state dict does not match the config: {}", path, all));
   }
-  model->eval();
+  model.eval();
+}
+
+}  // namespace
+
+models::CapsNet model_from_weights(const ExportedWeights& w, const std::string& path) {
+  if (w.model != kCapsNetModel)
+    throw ExportError(fmt::format("weights {}: holds matrix capsules with EM routing ({}), not a CapsNet; eval and "
+                                  "export take it, this command does not",
+                                  path, w.model));
+  models::CapsNetConfig config;
+  try {
+    config = models::CapsNetConfig::from_json(w.config);
+  } catch (const std::exception& e) {
+    throw ExportError(fmt::format("weights {}: bad model config: {}", path, e.what()));
+  }
+  models::CapsNet model(config);
+  copy_state_in(w, path, *model);
+  return model;
+}
+
+models::MatrixCapsNet matrix_model_from_weights(const ExportedWeights& w, const std::string& path) {
+  if (w.model != kMatrixCapsNetModel)
+    throw ExportError(fmt::format("weights {}: holds a CapsNet, not matrix capsules ({})", path, kMatrixCapsNetModel));
+  models::MatrixCapsNetConfig config;
+  try {
+    config = models::MatrixCapsNetConfig::from_json(w.config);
+  } catch (const std::exception& e) {
+    throw ExportError(fmt::format("weights {}: bad model config: {}", path, e.what()));
+  }
+  models::MatrixCapsNet model(config);
+  copy_state_in(w, path, *model);
   return model;
 }
 

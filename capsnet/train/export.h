@@ -5,15 +5,18 @@
 // File layout (a dict; torch.load gives a Python dict with the same keys):
 //   "format"     "capsnet-weights"
 //   "version"    1
-//   "config"     CapsNetConfig::to_json() as a JSON string
+//   "model"      "capsnet" (CapsNetConfig) or "matrix-capsnet" (MatrixCapsNetConfig, EM routing); files
+//                written before the key hold a CapsNet
+//   "config"     the model's config to_json() as a JSON string
 //   "step"       optimizer steps of the checkpoint
 //   "state_dict" {name -> tensor}: every parameter and buffer, names as named_parameters()
 //                ("conv1.weight", "primary_caps.conv.weight", "digit_caps.weight" [I, J, D, Din],
 //                "decoder.fc1.weight", ...), i.e. the names of the Python module's state_dict()
 //   "card"       (optional) model card as a JSON string: data, command, epochs, precision, accuracy
 //   "probe"      (only with ExportOptions::probe > 0) C++ reference outputs for checking a port:
-//                {"images" [N, C, H, W] in [0, 1), "digit_caps" [N, K, D], "lengths" [N, K],
-//                 "reconstruction" [N, C*H*W] (decoder of the longest capsule; absent without a decoder)}
+//                CapsNet: {"images" [N, C, H, W] in [0, 1), "digit_caps" [N, K, D], "lengths" [N, K],
+//                 "reconstruction" [N, C*H*W] (decoder of the longest capsule; absent without a decoder)};
+//                matrix-capsnet: {"images", "poses" [N, K, 16], "activations" [N, K]}
 //   "crc32"      (written by save_weights) CRC-32 of every other entry in a canonical order (sorted keys;
 //                strings, integers, and each tensor's name, dtype, shape and bytes), checked by read_weights.
 //                Files without it (written before it, e.g. the shipped model) load unchecked; an entry
@@ -28,6 +31,7 @@
 #include <string>
 
 #include "capsnet/models/capsnet.h"
+#include "capsnet/models/matrix_capsnet.h"
 
 namespace capsnet::train {
 
@@ -39,6 +43,9 @@ class ExportError : public std::runtime_error {
 
 inline constexpr const char* kWeightsFormat = "capsnet-weights";
 inline constexpr int64_t kWeightsVersion = 1;
+/// The "model" entry: which network the config and state dict describe.
+inline constexpr const char* kCapsNetModel = "capsnet";
+inline constexpr const char* kMatrixCapsNetModel = "matrix-capsnet";
 
 /// Storage type of the exported tensors. fp16 / bf16 halve the file; the model computes in fp32
 /// after loading (the stored values are exactly what every loader sees).
@@ -62,11 +69,14 @@ struct ExportOptions {
 
 /// The exported dict for `model` (see the layout above). Throws std::invalid_argument for probe < 0.
 c10::impl::GenericDict export_dict(models::CapsNet& model, int64_t step, const ExportOptions& options);
+c10::impl::GenericDict export_dict(models::MatrixCapsNet& model, int64_t step, const ExportOptions& options);
 
 /// Writes export_dict(model, step, options) plus its "crc32" to `path` atomically (write_file_atomically in
 /// checkpoint.h: temp file, fsync, rename; orphaned temp files of dead writers removed; parent directories
 /// created). Returns the number of bytes written; ExportError naming the file when the write fails.
 int64_t save_weights(const std::string& path, models::CapsNet& model, int64_t step, const ExportOptions& options = {});
+int64_t save_weights(const std::string& path, models::MatrixCapsNet& model, int64_t step,
+                     const ExportOptions& options = {});
 
 struct ExportSummary {
   int64_t step = 0;
@@ -75,13 +85,15 @@ struct ExportSummary {
   int64_t bytes = 0;       // size of the written file
 };
 
-/// Loads the checkpoint (CheckpointError when missing or broken) and exports it to `out_path`.
+/// Loads the checkpoint (CheckpointError when missing or broken) and exports it to `out_path`: a CapsNet
+/// or, for a checkpoint of `capsnet em` (or a matrix-capsnet weight file), the matrix-capsule network.
 /// Throws std::invalid_argument when `out_path` is the checkpoint itself or an existing directory.
 ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::string& out_path,
                                 const ExportOptions& options = {});
 
 /// A weight file read back in C++ (tests, tools).
 struct ExportedWeights {
+  std::string model = kCapsNetModel;  // kCapsNetModel or kMatrixCapsNetModel
   nlohmann::json config;
   int64_t step = 0;
   std::map<std::string, torch::Tensor> state_dict;
@@ -96,8 +108,10 @@ std::optional<ExportedWeights> try_read_weights(const std::string& path);
 /// True when `path` is a weight file (written by save_weights, damaged or not) rather than a training checkpoint.
 bool is_weights_file(const std::string& path);
 
-/// Builds the model described by weights already read from `path` (named in errors).
+/// Builds the model described by weights already read from `path` (named in errors). ExportError when
+/// the file holds the other kind of network (the message says which commands take it).
 models::CapsNet model_from_weights(const ExportedWeights& weights, const std::string& path);
+models::MatrixCapsNet matrix_model_from_weights(const ExportedWeights& weights, const std::string& path);
 
 /// Builds the model described by a weight file and copies its tensors in (converted to fp32; every
 /// name and shape must match). Eval mode. ExportError naming the file otherwise.

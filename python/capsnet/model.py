@@ -169,6 +169,10 @@ def load(weights_path, fused=True, ops_library=None):
     name and shape must match (ValueError listing the differences otherwise). Returns the module in
     eval mode. fused=True loads the operator library (ops_library, $CAPSNET_OPS_LIBRARY or the build tree)."""
     d = read_weights(weights_path)
+    kind = d.get("model", "capsnet")  # files written before the key hold a CapsNet
+    if kind != "capsnet":
+        raise ValueError(f"capsnet weights {weights_path}: holds a {kind} model (matrix capsules with EM routing); "
+                         "this package builds CapsNets only (`capsnet eval` evaluates it)")
     try:
         config = json.loads(d["config"])
     except (TypeError, ValueError) as e:

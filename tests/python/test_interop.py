@@ -92,7 +92,7 @@ def setup():
 
 def test_file_layout():
     d = capsnet.read_weights(weights_path())
-    assert d["step"] == 2 and d["version"] == 1
+    assert d["step"] == 2 and d["version"] == 1 and d["model"] == "capsnet"
     config = json.loads(d["config"])
     assert config["image_size"] == 28 and config["routing_iterations"] == 3, config
     assert d["state_dict"]["digit_caps.weight"].shape == (1152, 10, 16, 8)
@@ -213,6 +213,8 @@ def test_errors():
     expect_error(lambda: capsnet.load(missing, ops_library=OPS), ValueError, "missing decoder.fc2.bias")
     extra = variant("extra.pt", lambda e: e["state_dict"].update({"stn.fc.weight": torch.zeros(2)}))
     expect_error(lambda: capsnet.load(extra, ops_library=OPS), ValueError, "unexpected stn.fc.weight")
+    matrix = variant("matrix.pt", lambda e: e.update(model="matrix-capsnet"))  # capsnet em's network
+    expect_error(lambda: capsnet.load(matrix, ops_library=OPS), ValueError, "matrix-capsnet")
     version = variant("version.pt", lambda e: e.update(version=99))
     expect_error(lambda: capsnet.load(version, ops_library=OPS), ValueError, "version")
     expect_error(lambda: capsnet.find_library(os.path.join(WORK, "libnope.so")), FileNotFoundError, "libnope.so")
