@@ -1,6 +1,7 @@
 // The trained model that ships in models/capsnet-mnist/: it matches its SHA-256, loads, classifies the
 // first 500 MNIST test digits at >= 99.5%, and `capsnet eval` (no --checkpoint) prints the model
-// card's accuracy exactly. The Fashion-MNIST model beside it gets the same checks.
+// card's accuracy exactly. The Fashion-MNIST model beside it gets the same checks; the matrix-capsule
+// (EM routing) model reproduces its probe and classifies the first 500 test digits.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -10,6 +11,7 @@
 
 #include "capsnet/data/mnist.h"
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/em.h"
 #include "capsnet/train/evaluate.h"
 #include "capsnet/train/export.h"
 #include "test_helpers.h"
@@ -92,6 +94,41 @@ TEST(ShippedFashionModel, ClassifiesTheFirst500TestImagesAndEvalPrintsTheCardsAc
   ASSERT_EQ(e.status, 0) << e.output;
   const auto expected = fmt::format("test accuracy: {:.2f}%", 100 * card.at("test_accuracy").get<double>());
   EXPECT_NE(e.output.find(expected), std::string::npos) << "expected \"" << expected << "\" in:\n" << e.output;
+}
+
+// Matrix capsules with EM routing (models/em-small-mnist/, issue 14): the paper's small model
+// (A=64, B=8, C=D=16) as an fp32 weight file with "model": "matrix-capsnet".
+const std::string kEmModelDir = std::string(CAPSNET_SOURCE_DIR) + "/models/em-small-mnist";
+const std::string kEmModel = kEmModelDir + "/em-small-mnist.pt";
+
+TEST(ShippedEmModel, MatchesItsSha256AndReproducesItsProbe) {
+  auto r = testing::run_command("cd " + kEmModelDir + " && sha256sum --check --strict SHA256SUMS");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("em-small-mnist.pt: OK"), std::string::npos) << r.output;
+  auto w = train::read_weights(kEmModel);
+  EXPECT_EQ(w.model, train::kMatrixCapsNetModel);
+  EXPECT_LE(std::filesystem::file_size(kEmModel), 20u * 1000 * 1000);
+  EXPECT_EQ(w.card.at("dataset"), "mnist");
+  EXPECT_EQ(w.config.at("conv1_channels"), 64);
+  EXPECT_EQ(w.config.at("primary_types"), 8);
+  EXPECT_EQ(w.config.at("conv1_caps_types"), 16);
+  EXPECT_EQ(w.config.at("conv2_caps_types"), 16);
+  // The probe: the C++ outputs stored when it was exported, recomputed from the file.
+  auto model = train::load_matrix_model(kEmModel);
+  torch::NoGradGuard g;
+  auto out = model(w.probe.at("images"));
+  EXPECT_TRUE(torch::allclose(out.activations, w.probe.at("activations"), 1e-4, 1e-5));
+  EXPECT_TRUE(torch::allclose(out.poses, w.probe.at("poses"), 1e-4, 1e-5));
+}
+
+TEST(ShippedEmModel, ClassifiesTheFirst500TestDigits) {
+  if (!have_mnist()) GTEST_SKIP() << "MNIST not fetched (scripts/fetch_mnist.sh)";
+  auto model = train::load_matrix_model(kEmModel);
+  auto set = data::load_mnist(CAPSNET_DATA_DIR, data::Split::kTest);
+  auto r = train::evaluate_em(model, set, 500, 100, train::kFinalSpreadMargin);
+  EXPECT_EQ(r.examples, 500);
+  const double card = train::read_weights(kEmModel).card.at("test_accuracy").get<double>();
+  EXPECT_GE(r.accuracy, card - 0.02) << "card (all 10,000): " << card;
 }
 
 }  // namespace
