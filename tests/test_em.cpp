@@ -854,6 +854,56 @@ TEST(EmTraining, PreIssue14CheckpointResumesOnlyWithTheOldRouting) {
   EXPECT_ANY_THROW(train::train_em(fresh, set, nullptr, log));
 }
 
+TEST(EmTraining, ShiftAugmentationMovesTheImagesAndResumesExactly) {
+  // --max-shift draws its shifts from the loop's generator: two steps, a checkpoint and a resume to
+  // four end with the weights of four straight steps; without shifts the weights differ (the option
+  // reaches the batches); a shift as large as the image is refused.
+  ScopedThreads one(1);
+  testing::TempDir dir;
+  auto set = testing::synthetic_set(32, 28, 9);
+  train::EmTrainOptions o;
+  o.model = tiny_em_config();
+  o.max_shift = 2;
+  o.margin_start = o.margin_end = 0.5;  // a margin that does not depend on the run's length
+  o.steps = 4;
+  o.batch_size = 8;
+  o.test_size = 0;
+  o.log_every = 1;
+  o.progress = false;
+  std::ostringstream log;
+  auto run = [&](train::EmTrainOptions options, const std::string& name) {
+    options.out_dir = dir / name;
+    return train::train_em(options, set, nullptr, log);
+  };
+  const auto straight = run(o, "straight");
+  auto first_half = o;
+  first_half.steps = 2;
+  const auto half = run(first_half, "half");
+  auto second_half = o;
+  second_half.resume = half.model_path;
+  const auto resumed = run(second_half, "resumed");
+  auto unshifted = o;
+  unshifted.max_shift = 0;
+  const auto plain = run(unshifted, "plain");
+  ASSERT_EQ(resumed.steps, 4) << log.str();
+  double resume_gap = 0, shift_effect = 0;
+  const auto a = straight.model->parameters(), b = resumed.model->parameters(), c = plain.model->parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    resume_gap = std::max(resume_gap, (a[i] - b[i]).abs().max().item<double>());
+    shift_effect = std::max(shift_effect, (a[i] - c[i]).abs().max().item<double>());
+  }
+  EXPECT_EQ(resume_gap, 0.0);
+  EXPECT_GT(shift_effect, 1e-6);
+  // A run with shifts does not resume from one without (the batches would differ from the first run's).
+  auto mixed = o;
+  mixed.resume = plain.model_path;
+  mixed.steps = 5;
+  EXPECT_ANY_THROW(run(mixed, "mixed"));
+  auto too_far = o;
+  too_far.max_shift = 28;
+  EXPECT_THROW(too_far.validate(), std::invalid_argument);
+}
+
 // The `capsnet em` command line on --data `data` writing to --out `out`, then `flags`.
 std::string em_command(const std::string& data, const std::string& out, const std::string& flags) {
   return std::string(CAPSNET_CLI) + " em --data " + data + " --out " + out + " " + flags;

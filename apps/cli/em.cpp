@@ -50,6 +50,11 @@ Subcommand add_em(CLI::App& root) {
   app->add_option("--margin-end", o.margin_end, "Spread-loss margin at the last step (paper: 0.9)")
       ->check(CLI::Range(0.0, 10.0))
       ->capture_default_str();
+  app->add_option("--max-shift", o.max_shift,
+                  "Random translation of each training image by up to this many pixels in each direction, zero "
+                  "padded (0 = none, the paper; 2 = CapsNet's MNIST augmentation)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app->add_option("--train-size", o.train_size, "First training examples used (0 = all)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();

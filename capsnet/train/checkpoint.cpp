@@ -16,6 +16,7 @@
 #include <filesystem>
 
 #include "capsnet/train/export.h"
+#include "capsnet/train/parse_config.h"
 
 namespace capsnet::train {
 namespace {
@@ -340,15 +341,11 @@ InputSpec read_input_spec(const std::string& path) {
   return spec;
 }
 
-namespace {
-
-// The network of a checkpoint whose meta was read: `capsnet em` writes "task": "em" into its options.
 std::string checkpoint_model(const CheckpointMeta& meta) {
+  // `capsnet em` writes "task": "em" into its options.
   const bool em = meta.train_options.is_object() && meta.train_options.value("task", std::string()) == "em";
   return em ? kMatrixCapsNetModel : kCapsNetModel;
 }
-
-}  // namespace
 
 std::string stored_model(const std::string& path) {
   if (auto weights = try_read_weights(path)) return weights->model;
@@ -363,12 +360,8 @@ models::CapsNet load_model(const std::string& path) {
     throw CheckpointError(fmt::format("checkpoint {}: holds matrix capsules with EM routing (capsnet em), not a "
                                       "CapsNet; eval and export take it, this command does not",
                                       path));
-  models::CapsNetConfig config;
-  try {
-    config = models::CapsNetConfig::from_json(meta.model_config);
-  } catch (const std::exception& e) {
-    throw CheckpointError(fmt::format("checkpoint {}: bad model config: {}", path, e.what()));
-  }
+  const auto config =
+      parse_config<models::CapsNetConfig, CheckpointError>(meta.model_config, fmt::format("checkpoint {}", path));
   models::CapsNet model(config);
   load_checkpoint(path, model, nullptr);
   model->eval();
@@ -380,12 +373,8 @@ models::MatrixCapsNet load_matrix_model(const std::string& path) {
   auto meta = read_checkpoint_meta(path);
   if (checkpoint_model(meta) != kMatrixCapsNetModel)
     throw CheckpointError(fmt::format("checkpoint {}: holds a CapsNet, not matrix capsules (capsnet em)", path));
-  models::MatrixCapsNetConfig config;
-  try {
-    config = models::MatrixCapsNetConfig::from_json(meta.model_config);
-  } catch (const std::exception& e) {
-    throw CheckpointError(fmt::format("checkpoint {}: bad model config: {}", path, e.what()));
-  }
+  const auto config =
+      parse_config<models::MatrixCapsNetConfig, CheckpointError>(meta.model_config, fmt::format("checkpoint {}", path));
   models::MatrixCapsNet model(config);
   // Through from_json, as a resume compares them: a config from before issue 14 means the legacy routing.
   load_checkpoint(path, *model, nullptr, [&](const nlohmann::json& saved) {

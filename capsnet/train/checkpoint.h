@@ -80,6 +80,8 @@ models::CapsNet load_model(const std::string& path);
 /// kMatrixCapsNetModel). A checkpoint's is its training task ("em" -> matrix-capsnet); CheckpointError /
 /// ExportError for a file that is neither.
 std::string stored_model(const std::string& path);
+/// The same for a checkpoint whose meta was already read.
+std::string checkpoint_model(const CheckpointMeta& meta);
 
 /// The matrix-capsule network (EM routing) of a `capsnet em` checkpoint or a matrix-capsnet weight file,
 /// weights loaded, eval mode, fp32. CheckpointError / ExportError naming the file otherwise.

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "capsnet/data/transforms.h"
 #include "capsnet/models/capsnet.h"
 #include "capsnet/nn/em_routing.h"
 #include "capsnet/train/metrics.h"
@@ -32,13 +33,16 @@ void EmTrainOptions::validate() const {
   if (test_size < 0) throw std::invalid_argument(fmt::format("em: test_size must be >= 0, got {}", test_size));
   if (eval_every < 0) throw std::invalid_argument(fmt::format("em: eval_every must be >= 0, got {}", eval_every));
   if (!(max_seconds >= 0)) throw std::invalid_argument(fmt::format("em: max_seconds must be >= 0, got {}", max_seconds));
+  if (max_shift < 0 || max_shift >= model.image_size)
+    throw std::invalid_argument(
+        fmt::format("em: max_shift must be in [0, {}) (the image side), got {}", model.image_size, max_shift));
 }
 
 nlohmann::json EmTrainOptions::to_json() const {
   return {{"out_dir", out_dir},           {"steps", steps},         {"batch_size", batch_size},
           {"lr", lr},                     {"weight_decay", weight_decay}, {"lr_decay", lr_decay},
           {"margin_start", margin_start},
-          {"margin_end", margin_end},     {"seed", seed},           {"train_size", train_size},
+          {"margin_end", margin_end},     {"max_shift", max_shift}, {"seed", seed},           {"train_size", train_size},
           {"test_size", test_size},       {"eval_batch_size", eval_batch_size}, {"log_every", log_every},
           {"checkpoint_every", checkpoint_every}, {"eval_every", eval_every}, {"max_seconds", max_seconds},
           {"precision", nn::precision_name(nn::parse_precision(precision))}};
@@ -108,7 +112,11 @@ class EmTask : public Task {
     }
   }
   nlohmann::json data_config() const override {
-    return {{"train_examples", train_.size()}, {"margin_start", o_.margin_start}, {"margin_end", o_.margin_end}};
+    // A checkpoint from before max_shift lacks the key; the resume check skips keys one side lacks.
+    return {{"train_examples", train_.size()},
+            {"margin_start", o_.margin_start},
+            {"margin_end", o_.margin_end},
+            {"max_shift", o_.max_shift}};
   }
   std::string describe() const override {
     const auto sides = o_.model.grid_sides();
@@ -129,8 +137,11 @@ class EmTask : public Task {
   void begin_step(int64_t step, int64_t total_steps) override {
     margin_ = spread_margin(step, total_steps, o_.margin_start, o_.margin_end);
   }
-  Batch batch(const torch::Tensor& ids, at::Generator&) const override {
-    return {{to_input(train_.images.index_select(0, ids)), train_.labels.index_select(0, ids)}};  // [B,1,S,S], [B]
+  Batch batch(const torch::Tensor& ids, at::Generator& gen) const override {
+    auto images = to_input(train_.images.index_select(0, ids));  // [B, 1, S, S]
+    // The loop's generator: the shifts are part of the exactly resumed state.
+    if (o_.max_shift > 0) images = data::random_shift(images, o_.max_shift, gen);
+    return {{images, train_.labels.index_select(0, ids)}};  // [B, 1, S, S], [B]
   }
   TaskLoss loss(const Batch& rows) override {
     const auto& labels = rows[1];

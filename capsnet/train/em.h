@@ -30,6 +30,8 @@ struct EmTrainOptions {
                                 // (1 = constant, the paper's setting: it anneals the margin instead)
   double margin_start = 0.2;    // spread-loss margin at step 0 ...
   double margin_end = kFinalSpreadMargin;  // ... reached at the last step (linear)
+  int64_t max_shift = 0;        // random translation of each training image, pixels in each direction (zero
+                                // padding; 0 = none, the paper's setting; 2 = CapsNet's MNIST augmentation)
   uint64_t seed = 1;            // initialisation and the order of the training examples
   int64_t train_size = 0;       // first examples of the training split used (0 = all)
   int64_t test_size = 10000;    // first test examples evaluated at the end (0 = none)

@@ -12,6 +12,7 @@
 #include <set>
 
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/parse_config.h"
 
 namespace capsnet::train {
 namespace {
@@ -247,8 +248,9 @@ ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::s
 
   // A weight file (e.g. the shipped model) re-exports too: to another storage type, or with a probe.
   const auto weights_in = try_read_weights(checkpoint_path);  // read once, used for the step and the model
-  const int64_t step = weights_in ? weights_in->step : read_checkpoint_meta(checkpoint_path).step;
-  const std::string kind = weights_in ? weights_in->model : stored_model(checkpoint_path);
+  const auto meta = weights_in ? CheckpointMeta{} : read_checkpoint_meta(checkpoint_path);  // checked once here
+  const int64_t step = weights_in ? weights_in->step : meta.step;
+  const std::string kind = weights_in ? weights_in->model : checkpoint_model(meta);
   // The card carries what predict / eval / serve need beyond the config: class names, image fit, dataset.
   auto with_inputs = options;
   const auto spec = read_input_spec(checkpoint_path);
@@ -401,12 +403,7 @@ models::CapsNet model_from_weights(const ExportedWeights& w, const std::string& 
     throw ExportError(fmt::format("weights {}: holds matrix capsules with EM routing ({}), not a CapsNet; eval and "
                                   "export take it, this command does not",
                                   path, w.model));
-  models::CapsNetConfig config;
-  try {
-    config = models::CapsNetConfig::from_json(w.config);
-  } catch (const std::exception& e) {
-    throw ExportError(fmt::format("weights {}: bad model config: {}", path, e.what()));
-  }
+  const auto config = parse_config<models::CapsNetConfig, ExportError>(w.config, fmt::format("weights {}", path));
   models::CapsNet model(config);
   copy_state_in(w, path, *model);
   return model;
@@ -415,12 +412,7 @@ models::CapsNet model_from_weights(const ExportedWeights& w, const std::string& 
 models::MatrixCapsNet matrix_model_from_weights(const ExportedWeights& w, const std::string& path) {
   if (w.model != kMatrixCapsNetModel)
     throw ExportError(fmt::format("weights {}: holds a CapsNet, not matrix capsules ({})", path, kMatrixCapsNetModel));
-  models::MatrixCapsNetConfig config;
-  try {
-    config = models::MatrixCapsNetConfig::from_json(w.config);
-  } catch (const std::exception& e) {
-    throw ExportError(fmt::format("weights {}: bad model config: {}", path, e.what()));
-  }
+  const auto config = parse_config<models::MatrixCapsNetConfig, ExportError>(w.config, fmt::format("weights {}", path));
   models::MatrixCapsNet model(config);
   copy_state_in(w, path, *model);
   return model;
