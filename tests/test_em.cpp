@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <filesystem>
@@ -814,6 +815,18 @@ TEST(EmTraining, AdamStepsOnOneBatchLowerItsSpreadLoss) {
   EXPECT_LT(losses.back(), losses.front() - 1e-3) << "spread loss " << losses.front() << " -> " << losses.back();
 }
 
+// A `steps`-step training run of the tiny model in batches of 8: no evaluation, no progress bars, every step logged.
+train::EmTrainOptions quiet_em_options(int64_t steps) {
+  train::EmTrainOptions o;
+  o.model = tiny_em_config();
+  o.steps = steps;
+  o.batch_size = 8;
+  o.test_size = 0;
+  o.log_every = 1;
+  o.progress = false;
+  return o;
+}
+
 TEST(EmTraining, PreIssue14CheckpointResumesOnlyWithTheOldRouting) {
   // A checkpoint whose stored model config lacks the issue-14 keys (written before them) means the
   // old routing: it resumes into a run configured with the old routing and is refused by one with the
@@ -821,17 +834,11 @@ TEST(EmTraining, PreIssue14CheckpointResumesOnlyWithTheOldRouting) {
   ScopedThreads one(1);
   testing::TempDir dir;
   auto set = testing::synthetic_set(16, 28, 5);
-  train::EmTrainOptions o;
-  o.model = tiny_em_config();
+  auto o = quiet_em_options(2);
   o.model.lambda_schedule = "linear";
   o.model.logit_offset_outside_lambda = false;
   o.model.cross_window_routing = false;
   o.out_dir = dir / "a";
-  o.steps = 2;
-  o.batch_size = 8;
-  o.test_size = 0;
-  o.log_every = 1;
-  o.progress = false;
   std::ostringstream log;
   const auto first = train::train_em(o, set, nullptr, log);
   auto meta = train::read_checkpoint_meta(first.model_path);
@@ -861,15 +868,9 @@ TEST(EmTraining, ShiftAugmentationMovesTheImagesAndResumesExactly) {
   ScopedThreads one(1);
   testing::TempDir dir;
   auto set = testing::synthetic_set(32, 28, 9);
-  train::EmTrainOptions o;
-  o.model = tiny_em_config();
+  auto o = quiet_em_options(4);
   o.max_shift = 2;
   o.margin_start = o.margin_end = 0.5;  // a margin that does not depend on the run's length
-  o.steps = 4;
-  o.batch_size = 8;
-  o.test_size = 0;
-  o.log_every = 1;
-  o.progress = false;
   std::ostringstream log;
   auto run = [&](train::EmTrainOptions options, const std::string& name) {
     options.out_dir = dir / name;
@@ -978,9 +979,9 @@ TEST(EmCli, TrainsAndEvaluatesOnGeneratedIdx) {
   EXPECT_NE(bad_size.output.find("batch-size"), std::string::npos) << bad_size.output;
 }
 
-TEST(EmCli, EvalEveryStandardizedCostLambdaBaseAndLrDecayReachTheRun) {
+TEST(EmCli, EvalEveryStandardizedCostLambdaBaseLrDecayAndMaxShiftReachTheRun) {
   // The flags added after issue 14's first runs: --eval-every (test accuracy mid-run), --standardize-cost,
-  // --lambda-base (paper schedule's lambda_0) and --lr-decay (per epoch, smooth per step).
+  // --lambda-base (paper schedule's lambda_0), --lr-decay (per epoch, smooth per step), --max-shift.
   testing::TempDir dir;
   testing::write_fake_mnist(dir / "data", 64, 30);
   const std::string out = dir / "out";
@@ -988,7 +989,7 @@ TEST(EmCli, EvalEveryStandardizedCostLambdaBaseAndLrDecayReachTheRun) {
   const auto j = run_em(data, out,
                         "--steps 4 --batch-size 8 --train-size 16 --test-size 10 --eval-every 2 --log-every 1"
                         " --conv1-channels 4 --primary-types 2 --caps1-types 2 --caps2-types 2"
-                        " --standardize-cost --lambda-base 0.5 --lr-decay 0.5 --variance-eps 0.05"
+                        " --standardize-cost --lambda-base 0.5 --lr-decay 0.5 --variance-eps 0.05 --max-shift 3"
                         " --threads 1 --no-progress")
                      .em;
   ASSERT_FALSE(HasFailure());
@@ -997,6 +998,7 @@ TEST(EmCli, EvalEveryStandardizedCostLambdaBaseAndLrDecayReachTheRun) {
   EXPECT_EQ(j["model"]["variance_eps"], 0.05);
   EXPECT_EQ(j["train"]["lr_decay"], 0.5);
   EXPECT_EQ(j["train"]["eval_every"], 2);
+  EXPECT_EQ(j["train"]["max_shift"], 3);
   std::ifstream metrics(out + "/metrics.jsonl");
   std::vector<int64_t> eval_steps;
   std::vector<double> lrs;
@@ -1011,10 +1013,15 @@ TEST(EmCli, EvalEveryStandardizedCostLambdaBaseAndLrDecayReachTheRun) {
   ASSERT_EQ(lrs.size(), 4u);
   EXPECT_DOUBLE_EQ(lrs.front(), 3e-3);  // 2 steps per epoch: 0.5 per epoch is 0.5^(1/2) per step
   for (size_t k = 1; k < lrs.size(); ++k) EXPECT_NEAR(lrs[k] / lrs[k - 1], std::sqrt(0.5), 1e-9) << k;
-  for (const std::string flag : {"--lambda-base", "--variance-eps"}) {
-    auto bad = testing::run_command(em_command(data, out, "--overwrite --no-progress " + flag + " 0"));
+  for (const std::string flag : {"--lambda-base 0", "--variance-eps 0", "--max-shift -1", "--max-shift 28"}) {
+    auto bad = testing::run_command(em_command(data, out, "--overwrite --no-progress " + flag));
     EXPECT_NE(bad.status, 0) << flag;
-    EXPECT_NE(bad.output.find(flag), std::string::npos) << bad.output;
+    // The error names the flag, or the option behind it (e.g. "max_shift" for a value the flag's check lets through).
+    const auto name = flag.substr(0, flag.find(' '));
+    auto option = name.substr(2);
+    std::replace(option.begin(), option.end(), '-', '_');
+    EXPECT_TRUE(bad.output.find(name) != std::string::npos || bad.output.find(option) != std::string::npos)
+        << flag << ": " << bad.output;
   }
   models::MatrixCapsNetConfig zero_floor;
   zero_floor.variance_eps = 0;
