@@ -1033,9 +1033,9 @@ TEST(EmCli, EvalEveryStandardizedCostLambdaBaseLrDecayAndMaxShiftReachTheRun) {
   EXPECT_EQ(net->class_caps->options.routing().variance_eps, 0.25);
 }
 
-TEST(EmCli, ExportAndEvalTakeTheRunsModelAndOtherCommandsRefuseIt) {
+TEST(EmCli, ExportEvalAndPredictTakeTheRunsModelAndOtherCommandsRefuseIt) {
   // capsnet eval on the run's checkpoint and on its exported weights gives the accuracy the run
-  // reported; predict (CapsNet only) says what the file holds.
+  // reported, predict agrees with it image by image; reconstruct (CapsNet only) says what the file holds.
   testing::TempDir dir;
   testing::write_fake_mnist(dir / "data", 64, 30);
   const std::string out = dir / "out", data = dir / "data";
@@ -1073,10 +1073,37 @@ TEST(EmCli, ExportAndEvalTakeTheRunsModelAndOtherCommandsRefuseIt) {
   ASSERT_EQ(text.status, 0) << text.output;
   EXPECT_NE(text.output.find("spread loss"), std::string::npos) << text.output;
 
-  auto predict = testing::run_command(std::string(CAPSNET_CLI) + " predict " + data +
-                                      "/t10k-images-idx3-ubyte --checkpoint " + ckpt + " --limit 1 --threads 1");
-  EXPECT_NE(predict.status, 0);
-  EXPECT_NE(predict.output.find("capsnet em"), std::string::npos) << predict.output;
+  // predict takes it too: one JSON line per test image whose prediction is eval's (accuracy over the
+  // same 30 images), its activations in (0, 1), its pose the predicted class's 4x4 matrix.
+  auto predict = testing::run_command(std::string(CAPSNET_CLI) + " predict " + data + "/t10k-images-idx3-ubyte" +
+                                      " --checkpoint " + weights + " --limit 30 --json --pose --threads 1");
+  ASSERT_EQ(predict.status, 0) << predict.output;
+  std::istringstream lines(predict.output);
+  int64_t rows = 0, right = 0;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty() || line[0] != '{') continue;
+    const auto p = nlohmann::json::parse(line);
+    const auto activations = p.at("activations").get<std::vector<double>>();
+    ASSERT_EQ(activations.size(), 10u) << line;
+    for (double a : activations) EXPECT_TRUE(a > 0 && a < 1) << line;
+    const auto best = std::max_element(activations.begin(), activations.end()) - activations.begin();
+    EXPECT_EQ(p.at("prediction").get<int64_t>(), best) << line;
+    EXPECT_DOUBLE_EQ(p.at("activation").get<double>(), activations[best]) << line;
+    EXPECT_EQ(p.at("pose").size(), 16u) << line;
+    right += p.at("prediction").get<int64_t>() == rows % 10;  // write_fake_mnist: labels i % 10
+    ++rows;
+  }
+  EXPECT_EQ(rows, 30);
+  EXPECT_EQ(right, std::llround(30 * j["test_accuracy"].get<double>()));
+  auto csv = testing::run_command(std::string(CAPSNET_CLI) + " predict " + data + "/t10k-images-idx3-ubyte" +
+                                  " --checkpoint " + ckpt + " --limit 1 --format csv --threads 1");
+  ASSERT_EQ(csv.status, 0) << csv.output;
+  EXPECT_NE(csv.output.find("input,class,label,activation,activation_0,"), std::string::npos) << csv.output;
+  // Commands that need a CapsNet's decoder or vectors say what the file holds.
+  auto reconstruct = testing::run_command(std::string(CAPSNET_CLI) + " reconstruct --checkpoint " + ckpt +
+                                          " --data " + data + " --out " + std::string(dir / "r.png") + " --threads 1");
+  EXPECT_NE(reconstruct.status, 0);
+  EXPECT_NE(reconstruct.output.find("capsnet em"), std::string::npos) << reconstruct.output;
 }
 
 }  // namespace

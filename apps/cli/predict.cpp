@@ -2,6 +2,8 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <functional>
+#include <utility>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -11,6 +13,7 @@
 #include "capsnet/data/image_file.h"
 #include "capsnet/data/transforms.h"
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/export.h"
 #include "apps/runtime.h"
 #include "apps/cli/commands.h"
 
@@ -51,37 +54,80 @@ std::string csv_field(const std::string& s) {
   return q + "\"";
 }
 
+/// The network of a checkpoint or weight file as predict uses it: what it takes, and per batch each
+/// class's score and pose. CapsNet scores are capsule lengths |v|, matrix capsules' (capsnet em) their
+/// activations a; either way the prediction is the largest.
+struct Classifier {
+  int64_t side = 0, channels = 1, pose_dim = 0;
+  std::string score;       // "length" | "activation": the name of the score in every output format
+  std::string score_sign;  // how the text format writes it: "|v|" | "a"
+  /// images: [n, C, S, S] float in [0, 1] -> scores [n, K], poses [n, K, pose_dim].
+  std::function<std::pair<torch::Tensor, torch::Tensor>(const torch::Tensor&)> forward;
+};
+
+Classifier load_classifier(const std::string& path, nn::Precision precision) {
+  Classifier c;
+  if (train::stored_model(path) == train::kMatrixCapsNetModel) {
+    auto model = train::load_matrix_model(path);
+    model->set_precision(precision);
+    c.side = model->config.image_size;
+    c.channels = model->config.image_channels;
+    c.pose_dim = 16;  // a 4x4 pose matrix, row-major
+    c.score = "activation";
+    c.score_sign = "a";
+    c.forward = [model](const torch::Tensor& images) mutable {
+      auto o = model(images);
+      return std::make_pair(o.activations, o.poses.flatten(2));  // [n, K], [n, K, 16]
+    };
+    return c;
+  }
+  auto model = train::load_model(path);
+  model->set_precision(precision);
+  c.side = model->config.image_size;
+  c.channels = model->config.image_channels;
+  c.pose_dim = model->config.digit_dim;
+  c.score = "length";
+  c.score_sign = "|v|";
+  c.forward = [model](const torch::Tensor& images) mutable {
+    auto o = model(images);
+    return std::make_pair(o.lengths, o.digit_caps);  // [n, K], [n, K, D]
+  };
+  return c;
+}
+
 /// Writes one line per image in the chosen format.
 class PredictionWriter {
  public:
-  PredictionWriter(std::ostream& out, std::string format, std::vector<std::string> classes, bool pose, int64_t dim)
-      : out_(out), format_(std::move(format)), classes_(std::move(classes)), pose_(pose) {
+  PredictionWriter(std::ostream& out, std::string format, std::vector<std::string> classes, bool pose,
+                   const Classifier& model)
+      : out_(out), format_(std::move(format)), classes_(std::move(classes)), pose_(pose), score_(model.score),
+        sign_(model.score_sign) {
     if (format_ != "csv") return;
-    out_ << "input,class,label,length";
-    for (const auto& c : classes_) out_ << "," << csv_field("length_" + c);
+    out_ << "input,class,label," << score_;
+    for (const auto& c : classes_) out_ << "," << csv_field(score_ + "_" + c);
     if (pose_)
-      for (int64_t d = 0; d < dim; ++d) out_ << ",pose_" << d;
+      for (int64_t d = 0; d < model.pose_dim; ++d) out_ << ",pose_" << d;
     out_ << '\n';
   }
 
-  /// lengths: [K] float; pose: [D] float (the predicted class's capsule).
-  void write(const std::string& input, const torch::Tensor& lengths, const torch::Tensor& pose) {
-    std::vector<double> lv(lengths.data_ptr<float>(), lengths.data_ptr<float>() + lengths.numel());
-    const int64_t p = std::max_element(lv.begin(), lv.end()) - lv.begin();
+  /// scores: [K] float; pose: [D] float (the predicted class's capsule).
+  void write(const std::string& input, const torch::Tensor& scores, const torch::Tensor& pose) {
+    std::vector<double> sv(scores.data_ptr<float>(), scores.data_ptr<float>() + scores.numel());
+    const int64_t p = std::max_element(sv.begin(), sv.end()) - sv.begin();
     const std::string& name = classes_[p];
     std::vector<double> pv;
     if (pose_) pv.assign(pose.data_ptr<float>(), pose.data_ptr<float>() + pose.numel());
     if (format_ == "jsonl") {
-      nlohmann::json j{{"input", input}, {"class", name}, {"prediction", p}, {"length", lv[p]}, {"lengths", lv}};
+      nlohmann::json j{{"input", input}, {"class", name}, {"prediction", p}, {score_, sv[p]}, {score_ + "s", sv}};
       if (pose_) j["pose"] = pv;
       out_ << j.dump() << '\n';
     } else if (format_ == "csv") {
-      out_ << csv_field(input) << ',' << csv_field(name) << ',' << p << ',' << fmt::format("{:.6g}", lv[p]);
-      for (double v : lv) out_ << fmt::format(",{:.6g}", v);
+      out_ << csv_field(input) << ',' << csv_field(name) << ',' << p << ',' << fmt::format("{:.6g}", sv[p]);
+      for (double v : sv) out_ << fmt::format(",{:.6g}", v);
       for (double v : pv) out_ << fmt::format(",{:.6g}", v);
       out_ << '\n';
     } else {
-      out_ << fmt::format("{}: {} (|v| = {:.3f}; lengths {:.2f})", input, name, lv[p], fmt::join(lv, " "));
+      out_ << fmt::format("{}: {} ({} = {:.3f}; {}s {:.2f})", input, name, sign_, sv[p], score_, fmt::join(sv, " "));
       if (pose_) out_ << fmt::format(" pose {:.3f}", fmt::join(pv, " "));
       out_ << '\n';
     }
@@ -92,6 +138,7 @@ class PredictionWriter {
   std::string format_;
   std::vector<std::string> classes_;
   bool pose_;
+  std::string score_, sign_;
 };
 
 }  // namespace
@@ -106,7 +153,7 @@ Subcommand add_predict(CLI::App& root) {
     std::string precision = "fp32";
   };
   auto f = std::make_shared<Flags>();
-  auto* app = root.add_subcommand("predict", "Classify image files (PNG, JPEG), folders of them, or IDX image files");
+  auto* app = root.add_subcommand("predict", "Classify image files (PNG, JPEG), folders of them, or IDX image files with a CapsNet or matrix capsules (capsnet em)");
   app->add_option("inputs", f->inputs,
                   "PNG/JPEG files, directories (every .png/.jpg/.jpeg below, sorted) and/or IDX image files "
                   "([N, S, S] uint8)")
@@ -132,7 +179,7 @@ Subcommand add_predict(CLI::App& root) {
       ->check(CLI::IsMember({"text", "csv", "jsonl"}))
       ->capture_default_str();
   app->add_flag("--json", f->json, "Same as --format jsonl");
-  app->add_flag("--pose", f->pose, "Also write the predicted class's capsule (its pose vector, e.g. 16 numbers)");
+  app->add_flag("--pose", f->pose, "Also write the predicted class's capsule: its pose vector (e.g. 16 numbers) or, for matrix capsules, its 4x4 pose matrix row by row");
   app->add_option("--output", f->output, "Write the predictions to this file instead of stdout");
   add_threads_flag(*app, f->threads);
   add_precision_flag(*app, f->precision);
@@ -146,11 +193,10 @@ Subcommand add_predict(CLI::App& root) {
               check_not_an_input(f->output, inputs);
             }
             if (f->threads > 0) set_threads(f->threads);
-            auto model = train::load_model(f->checkpoint);
-            model->set_precision(nn::parse_precision(f->precision));
+            auto model = load_classifier(f->checkpoint, nn::parse_precision(f->precision));
             const auto spec = train::read_input_spec(f->checkpoint);
             const auto fit = data::parse_fit(f->fit.empty() ? spec.image_fit : f->fit);
-            const int64_t side = model->config.image_size, channels = model->config.image_channels;
+            const int64_t side = model.side, channels = model.channels;
             // Digit models were trained on white-on-black: a light grey background means a scan to invert.
             const bool digit_model = spec.dataset != "image-folder";
             const auto sources = expand_inputs(f->inputs);
@@ -171,17 +217,17 @@ Subcommand add_predict(CLI::App& root) {
                                                              "error)",
                                                              out_name));
             };
-            PredictionWriter writer(out, f->format, spec.class_names, f->pose, model->config.digit_dim);
+            PredictionWriter writer(out, f->format, spec.class_names, f->pose, model);
             torch::NoGradGuard no_grad;
             int64_t written = 0;
 
             // images: uint8 [n, C, S, S]; names: one per row.
             auto run_batch = [&](torch::Tensor images, const std::vector<std::string>& names) {
-              auto o = model(data::to_float(images));
-              auto lengths = o.lengths.contiguous();                           // [n, K]
-              auto pred = lengths.argmax(1);                                   // [n]
-              auto pose = o.digit_caps.index({torch::arange(pred.size(0)), pred}).contiguous();  // [n, D]
-              for (size_t b = 0; b < names.size(); ++b) writer.write(names[b], lengths[b], pose[b]);
+              auto [scores_out, poses] = model.forward(data::to_float(images));  // [n, K], [n, K, D]
+              auto scores = scores_out.to(torch::kFloat).contiguous();
+              auto pred = scores.argmax(1);                                        // [n]
+              auto pose = poses.index({torch::arange(pred.size(0)), pred}).to(torch::kFloat).contiguous();  // [n, D]
+              for (size_t b = 0; b < names.size(); ++b) writer.write(names[b], scores[b], pose[b]);
               written += static_cast<int64_t>(names.size());
               out.flush();
               check_written();

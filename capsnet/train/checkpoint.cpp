@@ -358,7 +358,7 @@ models::CapsNet load_model(const std::string& path) {
   auto meta = read_checkpoint_meta(path);
   if (checkpoint_model(meta) != kCapsNetModel)
     throw CheckpointError(fmt::format("checkpoint {}: holds matrix capsules with EM routing (capsnet em), not a "
-                                      "CapsNet; eval and export take it, this command does not",
+                                      "CapsNet; eval, export and predict take it, this command does not",
                                       path));
   const auto config =
       parse_config<models::CapsNetConfig, CheckpointError>(meta.model_config, fmt::format("checkpoint {}", path));

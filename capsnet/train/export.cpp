@@ -400,8 +400,8 @@ void copy_state_in(const ExportedWeights& w, const std::string& path, torch::nn:
 
 models::CapsNet model_from_weights(const ExportedWeights& w, const std::string& path) {
   if (w.model != kCapsNetModel)
-    throw ExportError(fmt::format("weights {}: holds matrix capsules with EM routing ({}), not a CapsNet; eval and "
-                                  "export take it, this command does not",
+    throw ExportError(fmt::format("weights {}: holds matrix capsules with EM routing ({}), not a CapsNet; eval, "
+                                  "export and predict take it, this command does not",
                                   path, w.model));
   const auto config = parse_config<models::CapsNetConfig, ExportError>(w.config, fmt::format("weights {}", path));
   models::CapsNet model(config);
