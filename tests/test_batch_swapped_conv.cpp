@@ -1,6 +1,7 @@
-// nn/batch_swapped_conv.h: the weight gradient as a forward convolution over the swapped batch equals
-// ATen's convolution_backward (float64, every geometry the formula covers), the autograd function
-// passes a finite-difference gradcheck, and bf16 convolutions of nn::conv2d_at really take it.
+// nn/batch_swapped_conv.h: the weight gradient as a forward convolution over the swapped batch, and the
+// input gradient as one forward convolution per stride phase, equal ATen's convolution_backward (float64,
+// every geometry the formulas cover), the autograd function passes a finite-difference gradcheck with
+// either path, and the convolutions of nn::conv2d_at really take them.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -131,6 +132,99 @@ TEST(BatchSwappedConv, Bf16ConvolutionsOfConv2dAtUseIt) {
   const auto dw_fp32 = conv->weight.grad();
   const double rel = ((dw_bf16 - dw_fp32).abs().max() / dw_fp32.abs().max()).item<double>();
   EXPECT_LT(rel, 3e-2);  // bf16 inputs rounded to 8 significant bits, sums accumulated in fp32
+}
+
+// Geometries for the input gradient by phases (dilation 1): strides 1-3, kernels shorter than the stride
+// (phases with no taps), padding, rows the forward never reads, non-square everything.
+std::vector<Case> phase_cases() {
+  return {
+      {3, 5, 2, 20, 20, 9, 9, {{2, 2}, {0, 0}, {1, 1}}},  // PrimaryCaps' geometry
+      {2, 3, 4, 21, 20, 9, 9, {{2, 2}, {0, 0}, {1, 1}}},  // an odd side: the last row is never read
+      {2, 4, 3, 13, 10, 3, 2, {{2, 1}, {1, 2}, {1, 1}}},
+      {1, 2, 3, 11, 11, 2, 2, {{3, 3}, {0, 0}, {1, 1}}},  // kernel 2 < stride 3: a phase without taps
+      {2, 3, 2, 16, 12, 4, 4, {{2, 2}, {1, 1}, {1, 1}}},  // CapsPix2pix's down-sampling convolutions
+      {2, 3, 5, 14, 17, 5, 4, {{3, 2}, {2, 1}, {1, 1}}},
+      {2, 3, 4, 11, 9, 3, 3, {{1, 1}, {0, 0}, {1, 1}}},   // stride 1: one phase, a full correlation
+  };
+}
+
+TEST(PhaseInputGrad, EqualsAtenInFloat64) {
+  torch::manual_seed(7);
+  for (const auto& t : phase_cases()) {
+    const auto x = torch::randn({t.n, t.c, t.h, t.w}, torch::kDouble);
+    const auto w = torch::randn({t.o, t.c, t.k0, t.k1}, torch::kDouble);
+    const auto dy = torch::randn_like(conv_output(x, w, t.geometry));
+    const auto fast = nn::conv2d_input_grad_by_phases(dy, w, {t.h, t.w}, t.geometry);
+    const auto reference = nn::conv2d_input_grad_reference(dy, w, {t.h, t.w}, t.geometry);
+    ASSERT_EQ(fast.sizes(), x.sizes());
+    EXPECT_LT((fast - reference).abs().max().item<double>(), 1e-10)
+        << "case h=" << t.h << " k=" << t.k0 << "x" << t.k1 << " stride " << t.geometry.stride[0];
+  }
+}
+
+TEST(PhaseInputGrad, GradcheckWithEitherWeightGradient) {
+  torch::manual_seed(8);
+  for (const auto& t : phase_cases()) {
+    for (const bool swapped : {false, true}) {
+      auto x = torch::randn({t.n, t.c, t.h, t.w}, torch::kDouble).requires_grad_();
+      auto w = torch::randn({t.o, t.c, t.k0, t.k1}, torch::kDouble).requires_grad_();
+      auto b = torch::randn({t.o}, torch::kDouble).requires_grad_();
+      const nn::ConvGradientPaths paths{swapped, /*input_by_phases=*/true};
+      const auto y = nn::conv2d_with_gradient_paths(x, w, b, t.geometry, paths);
+      EXPECT_TRUE(torch::allclose(y, conv_output(x, w, t.geometry) + b.view({1, -1, 1, 1})));
+      const auto fn = [&](const std::vector<torch::Tensor>& in) {
+        return nn::conv2d_with_gradient_paths(in[0], in[1], in[2], t.geometry, paths);
+      };
+      EXPECT_TRUE(testutil::gradcheck(fn, {x, w, b})) << "case h=" << t.h << " swapped " << swapped;
+    }
+  }
+}
+
+TEST(PhaseInputGrad, RefusesDilationAndMismatchedShapes) {
+  const auto w = torch::randn({4, 3, 3, 3});
+  EXPECT_THROW(nn::conv2d_input_grad_by_phases(torch::randn({2, 4, 3, 3}), w, {9, 9}, {{2, 2}, {0, 0}, {2, 2}}),
+               c10::Error);
+  EXPECT_THROW(nn::conv2d_input_grad_by_phases(torch::randn({2, 5, 3, 3}), w, {7, 7}, {{2, 2}, {0, 0}, {1, 1}}),
+               c10::Error);  // dy has 5 channels, w 4 outputs
+  EXPECT_THROW(nn::conv2d_input_grad_by_phases(torch::randn({2, 4, 6, 6}), w, {7, 7}, {{2, 2}, {0, 0}, {1, 1}}),
+               c10::Error);  // a 6 x 6 output needs at least 13 x 13 input
+  EXPECT_THROW(nn::conv2d_with_gradient_paths(torch::randn({1, 3, 9, 9}), w, {}, {{1, 1}, {0, 0}, {2, 2}},
+                                              {false, true}),
+               c10::Error);
+}
+
+// conv2d_at takes the phases for PrimaryCaps-like convolutions in both precisions: the input gradient is
+// bit-identical to conv2d_input_grad_by_phases of the same (cast) tensors, and fp32 agrees with ATen's.
+TEST(PhaseInputGrad, Conv2dAtTakesItInBothPrecisions) {
+  torch::manual_seed(9);
+  const int64_t channels = nn::kBatchSwappedMinInChannels;
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(channels, 16, 5).stride(2));
+  const Conv2dGeometry g{{2, 2}, {0, 0}, {1, 1}};
+  const auto dy = torch::randn({4, 16, 6, 6});
+  std::vector<nn::Precision> precisions{nn::Precision::kFloat32};
+  if (nn::cpu_has_native_bf16()) precisions.push_back(nn::Precision::kBFloat16);
+  for (const auto precision : precisions) {
+    const auto dtype = nn::compute_dtype(precision);
+    auto x = torch::rand({4, channels, 15, 15}).requires_grad_();
+    nn::conv2d_at(conv, x, precision).backward(dy.to(dtype));
+    const auto phases = nn::conv2d_input_grad_by_phases(dy.to(dtype), conv->weight.to(dtype), {15, 15}, g);
+    EXPECT_TRUE(torch::equal(x.grad(), phases.to(torch::kFloat32))) << nn::precision_name(precision);
+    const auto aten = nn::conv2d_input_grad_reference(dy, conv->weight.detach(), {15, 15}, g);
+    const double rel = ((x.grad() - aten).abs().max() / aten.abs().max()).item<double>();
+    EXPECT_LT(rel, precision == nn::Precision::kFloat32 ? 1e-5 : 3e-2) << nn::precision_name(precision);
+  }
+}
+
+TEST(PhaseInputGrad, OnlyStridedWideConvolutionsWithASmallOutputUseIt) {
+  auto conv = [](int64_t in, int64_t out, int64_t k, int64_t stride, int64_t pad, int64_t dilation = 1) {
+    return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, k).stride(stride).padding(pad).dilation(dilation))
+        ->options;
+  };
+  EXPECT_TRUE(nn::use_phase_input_grad(conv(256, 256, 9, 2, 0), 20, 20));      // PrimaryCaps
+  EXPECT_FALSE(nn::use_phase_input_grad(conv(32, 8, 3, 1, 1), 8, 8));          // stride 1
+  EXPECT_FALSE(nn::use_phase_input_grad(conv(256, 256, 3, 2, 0, 2), 20, 20));  // dilation 2
+  EXPECT_FALSE(nn::use_phase_input_grad(conv(1, 256, 9, 2, 0), 28, 28));       // one input channel
+  EXPECT_FALSE(nn::use_phase_input_grad(conv(64, 64, 4, 2, 1), 64, 64));       // a 32 x 32 output
 }
 
 // Which convolutions take it: the measured geometries of docs/kernels.md.

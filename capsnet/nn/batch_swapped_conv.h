@@ -11,6 +11,16 @@
 // FLOPs; the swapped form runs on that forward kernel (docs/kernels.md, "bf16 weight gradient").
 // In fp32 and for few input channels (Conv1: 1) oneDNN's own weight gradient is as fast or faster,
 // so nn::conv2d_at uses this only for bf16 convolutions with many input channels.
+//
+// The input gradient of a strided convolution likewise, as one forward convolution per stride phase:
+// input rows h = s*m + ph receive dy through the kernel taps kh = s*a + ph only, so
+//
+//   dX[n, c, s*m + ph, s*q + pw] = sum_{o, a, b} dy[n, o, m - a, q - b] * w[o, c, s*a + ph, s*b + pw]
+//
+// a full (zero-padded) correlation of dy with the phase's sub-kernel, flipped and with in/out swapped.
+// Why: oneDNN 2.6's backward-data kernel runs PrimaryCaps' input gradient about 1.5x slower than its
+// forward kernel on the same FLOPs, in fp32 and bf16; the phases run on the forward kernel
+// (docs/kernels.md, "Input gradient by stride phases").
 
 #include <torch/torch.h>
 
@@ -39,9 +49,27 @@ torch::Tensor conv2d_weight_grad_batch_swapped(const torch::Tensor& dy, const to
 torch::Tensor conv2d_weight_grad_reference(const torch::Tensor& dy, const torch::Tensor& x, const torch::Tensor& w,
                                            const Conv2dGeometry& geometry);
 
-/// y = conv2d(x, w, b) (b may be undefined), differentiable in x, w and b, with the weight gradient
-/// computed by conv2d_weight_grad_batch_swapped and the input gradient by ATen's convolution_backward.
-/// x: [N, C, H, W]; w: [O, C, K0, K1]; b: [O]; all of one dtype. Returns y: [N, O, P, Q].
+/// dL/dx of y = conv2d(x, w) by one forward convolution per stride phase (dilation 1 only).
+/// dy: [N, O, P, Q]; w: [O, C, K0, K1] (same dtype); input_size: {H, W} of x. Returns [N, C, H, W] in dy's dtype.
+torch::Tensor conv2d_input_grad_by_phases(const torch::Tensor& dy, const torch::Tensor& w,
+                                         std::array<int64_t, 2> input_size, const Conv2dGeometry& geometry);
+
+/// The reference: dL/dx of the same convolution by ATen's convolution_backward. Returns [N, C, H, W].
+torch::Tensor conv2d_input_grad_reference(const torch::Tensor& dy, const torch::Tensor& w,
+                                          std::array<int64_t, 2> input_size, const Conv2dGeometry& geometry);
+
+/// Which gradients conv2d_with_gradient_paths computes as forward convolutions (the rest: ATen's).
+struct ConvGradientPaths {
+  bool weight_batch_swapped = false;  ///< dW by conv2d_weight_grad_batch_swapped
+  bool input_by_phases = false;       ///< dx by conv2d_input_grad_by_phases (dilation 1)
+};
+
+/// y = conv2d(x, w, b) (b may be undefined), differentiable in x, w and b, with the gradients computed
+/// as `paths` says. x: [N, C, H, W]; w: [O, C, K0, K1]; b: [O]; all of one dtype. Returns y: [N, O, P, Q].
+torch::Tensor conv2d_with_gradient_paths(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                                         const Conv2dGeometry& geometry, ConvGradientPaths paths);
+
+/// conv2d_with_gradient_paths with the batch-swapped weight gradient and ATen's input gradient.
 torch::Tensor conv2d_batch_swapped(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
                                    const Conv2dGeometry& geometry);
 

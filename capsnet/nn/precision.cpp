@@ -46,12 +46,21 @@ torch::ExpandingArray<2> numeric_padding(const torch::nn::detail::ConvNdOptions<
 }
 
 bool use_batch_swapped_weight_grad(const torch::nn::detail::ConvNdOptions<2>& o, int64_t in_h, int64_t in_w) {
-  if (o.groups() != 1 || o.in_channels() < kBatchSwappedMinInChannels || o.padding().index() != 0) return false;
+  if (o.groups() != 1 || o.in_channels() < kBatchSwappedMinInChannels || o.padding().index() != 0 ||
+      o.padding_mode().index() != 0)
+    return false;
   const auto padding = numeric_padding(o, "use_batch_swapped_weight_grad");
   auto out = [&](int64_t in, int d) {
     return (in + 2 * padding->at(d) - o.dilation()->at(d) * (o.kernel_size()->at(d) - 1) - 1) / o.stride()->at(d) + 1;
   };
   return out(in_h, 0) * out(in_w, 1) <= kBatchSwappedMaxOutputArea;
+}
+
+bool use_phase_input_grad(const torch::nn::detail::ConvNdOptions<2>& o, int64_t in_h, int64_t in_w) {
+  const auto& stride = o.stride();
+  const auto& dilation = o.dilation();
+  return use_batch_swapped_weight_grad(o, in_h, in_w) && (stride->at(0) > 1 || stride->at(1) > 1) &&
+         dilation->at(0) == 1 && dilation->at(1) == 1;
 }
 
 torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Precision precision,
@@ -63,18 +72,25 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Prec
   // are dropped here and the next inference call reorders afresh (as it must after any step anyway).
   if (blocked && torch::GradMode::is_enabled()) *blocked = BlockedConvWeights();
   const auto x = x_in.is_mkldnn() ? x_in.to_dense() : x_in;
-  if (precision == Precision::kFloat32) return conv->forward(x);
   const auto& o = conv->options;
-  const auto padding = numeric_padding(o, "conv2d_at");
-  const auto xc = x.to(dtype), w = conv->weight.to(dtype), b = conv->bias.defined() ? conv->bias.to(dtype) : conv->bias;
   // Many input channels and a small output: oneDNN's bf16 weight gradient is ~2x slower than the same
-  // FLOPs as a forward convolution (measured, docs/kernels.md), so the weight gradient runs
-  // batch-swapped. With few input channels (Conv1: 1) or a large output (the CNN's 20 x 20) the swapped
-  // form is slower and oneDNN's stays.
-  if (use_batch_swapped_weight_grad(o, x.size(-2), x.size(-1))) {
+  // FLOPs as a forward convolution, and its backward-data kernel (both precisions) ~1.5x slower for a
+  // strided one (measured, docs/kernels.md), so those gradients run as forward convolutions. With few
+  // input channels (Conv1: 1) or a large output (the CNN's 20 x 20) the swapped forms are slower and
+  // oneDNN's stay; in fp32 oneDNN's weight gradient is as fast as the swapped one.
+  const bool swapped_weight = precision != Precision::kFloat32 && use_batch_swapped_weight_grad(o, x.size(-2), x.size(-1));
+  const bool phase_input = x.dim() == 4 && use_phase_input_grad(o, x.size(-2), x.size(-1));
+  if (precision == Precision::kFloat32 && !phase_input) return conv->forward(x);
+  const auto padding = numeric_padding(o, "conv2d_at");
+  // fp32 keeps the master dtype (float64 models, gradchecks); bf16 casts input, weight and bias.
+  const auto cast = [&](const torch::Tensor& t) {
+    return precision == Precision::kFloat32 || !t.defined() ? t : t.to(dtype);
+  };
+  const auto xc = cast(x), w = cast(conv->weight), b = cast(conv->bias);
+  if (swapped_weight || phase_input) {
     const Conv2dGeometry geometry{{o.stride()->at(0), o.stride()->at(1)}, {padding->at(0), padding->at(1)},
                                   {o.dilation()->at(0), o.dilation()->at(1)}};
-    return conv2d_batch_swapped(xc, w, b, geometry);
+    return conv2d_with_gradient_paths(xc, w, b, geometry, {swapped_weight, phase_input});
   }
   return torch::conv2d(xc, w, b, o.stride(), padding, o.dilation(), o.groups());
 }

@@ -47,9 +47,15 @@ torch::ExpandingArray<2> numeric_padding(const torch::nn::detail::ConvNdOptions<
 /// in_h x in_w batch-swapped (groups 1, enough input channels, a small output).
 bool use_batch_swapped_weight_grad(const torch::nn::detail::ConvNdOptions<2>& options, int64_t in_h, int64_t in_w);
 
+/// Whether conv2d_at computes the input gradient of `conv` by stride phases (nn/batch_swapped_conv.h), in
+/// either precision: the batch-swapped geometry (above) with a stride above 1 and dilation 1 (PrimaryCaps;
+/// measured 1.5x faster than oneDNN's backward-data kernel there, docs/kernels.md).
+bool use_phase_input_grad(const torch::nn::detail::ConvNdOptions<2>& options, int64_t in_h, int64_t in_w);
+
 /// conv(x) with input, weight and bias in the compute dtype (the output stays in it). Autograd
 /// returns fp32 gradients to the fp32 weights through the casts. In bf16, where
-/// use_batch_swapped_weight_grad says so, the weight gradient is computed batch-swapped.
+/// use_batch_swapped_weight_grad says so, the weight gradient is computed batch-swapped; in either
+/// precision, where use_phase_input_grad says so, the input gradient by stride phases.
 /// With `blocked` and autograd off (BlockedConvWeights::usable), it runs on oneDNN's blocked tensors
 /// with weights reordered once, and returns a blocked tensor (is_mkldnn()): the caller calls
 /// to_dense() where it leaves its convolution stack. A blocked x is accepted either way.
