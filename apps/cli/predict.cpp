@@ -2,12 +2,12 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <functional>
-#include <utility>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
+#include <utility>
 
 #include "capsnet/data/idx.h"
 #include "capsnet/data/image_file.h"
