@@ -74,8 +74,9 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Prec
   const auto x = x_in.is_mkldnn() ? x_in.to_dense() : x_in;
   const auto& o = conv->options;
   // Many input channels and a small output: oneDNN's bf16 weight gradient is ~2x slower than the same
-  // FLOPs as a forward convolution, and its backward-data kernel (both precisions) ~1.5x slower for a
-  // strided one (measured, docs/kernels.md), so those gradients run as forward convolutions. With few
+  // FLOPs as a forward convolution, and its backward-data kernel for a strided one 1.55x (bf16) / 1.3x
+  // (fp32) slower than forward convolutions by stride phase (measured, docs/kernels.md), so those
+  // gradients run as forward convolutions. With few
   // input channels (Conv1: 1) or a large output (the CNN's 20 x 20) the swapped forms are slower and
   // oneDNN's stay; in fp32 oneDNN's weight gradient is as fast as the swapped one.
   const bool swapped_weight = precision != Precision::kFloat32 && use_batch_swapped_weight_grad(o, x.size(-2), x.size(-1));

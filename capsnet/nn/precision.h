@@ -49,7 +49,7 @@ bool use_batch_swapped_weight_grad(const torch::nn::detail::ConvNdOptions<2>& op
 
 /// Whether conv2d_at computes the input gradient of `conv` by stride phases (nn/batch_swapped_conv.h), in
 /// either precision: the batch-swapped geometry (above) with a stride above 1 and dilation 1 (PrimaryCaps;
-/// measured 1.5x faster than oneDNN's backward-data kernel there, docs/kernels.md).
+/// measured 1.55x (bf16) / 1.3x (fp32) faster than oneDNN's backward-data kernel there, docs/kernels.md).
 bool use_phase_input_grad(const torch::nn::detail::ConvNdOptions<2>& options, int64_t in_h, int64_t in_w);
 
 /// conv(x) with input, weight and bias in the compute dtype (the output stays in it). Autograd
