@@ -9,6 +9,7 @@ BUILD="${1:-$ROOT/build}"
 # Debian packages: compiler + CMake, LibTorch, an optimized BLAS, the libraries of the README's table.
 PACKAGES=(g++ cmake make pkg-config libtorch-dev libopenblas0-pthread libcli11-dev nlohmann-json3-dev libfmt-dev
           libpng-dev libjpeg62-turbo-dev zlib1g-dev libjemalloc-dev libgtest-dev libbenchmark-dev
+          libdnnl-dev     # oneDNN's headers: its sgemm for the fp32 spectral convolution (nn/gemm.h)
           python3-torch   # Debian's own python3 + torch 1.13: the Python tests (op library, python/ package)
           libgloo-dev     # headers of c10d's Gloo process group (data-parallel training)
           libcpp-httplib-dev  # HTTP server of `capsnet serve`

@@ -7,6 +7,7 @@
 #include <variant>
 
 #include "capsnet/nn/batch_swapped_conv.h"
+#include "capsnet/nn/spectral_conv.h"
 
 namespace capsnet::nn {
 
@@ -63,6 +64,19 @@ bool use_phase_input_grad(const torch::nn::detail::ConvNdOptions<2>& o, int64_t 
          dilation->at(0) == 1 && dilation->at(1) == 1;
 }
 
+bool use_spectral_conv(const torch::nn::detail::ConvNdOptions<2>& o, int64_t in_h, int64_t in_w) {
+  if (!use_batch_swapped_weight_grad(o, in_h, in_w)) return false;
+  const auto padding = numeric_padding(o, "use_spectral_conv");
+  const auto& k = o.kernel_size();
+  const auto& s = o.stride();
+  if (padding->at(0) != 0 || padding->at(1) != 0 || o.dilation()->at(0) != 1 || o.dilation()->at(1) != 1 ||
+      in_h < k->at(0) || in_w < k->at(1))
+    return false;
+  return spectral_conv_pays_off({k->at(0), k->at(1)},
+                                {(in_h - k->at(0)) / s->at(0) + 1, (in_w - k->at(1)) / s->at(1) + 1},
+                                {s->at(0), s->at(1)});
+}
+
 torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Precision precision,
                         BlockedConvWeights* blocked) {
   const auto dtype = compute_dtype(precision);
@@ -79,6 +93,9 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Prec
   // gradients run as forward convolutions. With few
   // input channels (Conv1: 1) or a large output (the CNN's 20 x 20) the swapped forms are slower and
   // oneDNN's stay; in fp32 oneDNN's weight gradient is as fast as the swapped one.
+  if (precision == Precision::kFloat32 && x.dim() == 4 && x.device().is_cpu() &&
+      use_spectral_conv(o, x.size(-2), x.size(-1)))
+    return conv2d_spectral(x, conv->weight, conv->bias, {o.stride()->at(0), o.stride()->at(1)});
   const bool swapped_weight = precision != Precision::kFloat32 && use_batch_swapped_weight_grad(o, x.size(-2), x.size(-1));
   const bool phase_input = x.dim() == 4 && use_phase_input_grad(o, x.size(-2), x.size(-1));
   if (precision == Precision::kFloat32 && !phase_input) return conv->forward(x);

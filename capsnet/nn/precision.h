@@ -52,10 +52,17 @@ bool use_batch_swapped_weight_grad(const torch::nn::detail::ConvNdOptions<2>& op
 /// measured 1.55x (bf16) / 1.3x (fp32) faster than oneDNN's backward-data kernel there, docs/kernels.md).
 bool use_phase_input_grad(const torch::nn::detail::ConvNdOptions<2>& options, int64_t in_h, int64_t in_w);
 
+/// Whether conv2d_at's fp32 path runs `conv` on an in_h x in_w input through DFTs (nn/spectral_conv.h):
+/// the batch-swapped geometry (above) with zero padding, dilation 1 and a kernel large enough for
+/// spectral_conv_pays_off (PrimaryCaps: 5.1x fewer multiply-adds; measured ~2x faster per pass than
+/// oneDNN's fp32 kernels at batch 100, docs/kernels.md).
+bool use_spectral_conv(const torch::nn::detail::ConvNdOptions<2>& options, int64_t in_h, int64_t in_w);
+
 /// conv(x) with input, weight and bias in the compute dtype (the output stays in it). Autograd
 /// returns fp32 gradients to the fp32 weights through the casts. In bf16, where
 /// use_batch_swapped_weight_grad says so, the weight gradient is computed batch-swapped; in either
-/// precision, where use_phase_input_grad says so, the input gradient by stride phases.
+/// precision, where use_phase_input_grad says so, the input gradient by stride phases; in fp32 (the
+/// master dtype: float32 or float64), where use_spectral_conv says so, all three passes through DFTs.
 /// With `blocked` and autograd off (BlockedConvWeights::usable), it runs on oneDNN's blocked tensors
 /// with weights reordered once, and returns a blocked tensor (is_mkldnn()): the caller calls
 /// to_dense() where it leaves its convolution stack. A blocked x is accepted either way.

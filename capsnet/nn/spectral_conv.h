@@ -1,0 +1,51 @@
+#pragma once
+// A strided 2-D convolution (zero padding, dilation 1, groups 1) computed through discrete Fourier
+// transforms, with the transforms and the per-frequency channel mixing all as matrix products.
+//
+// The output (P x Q at stride s) reads rows [0, Nh) and columns [0, Nw) of x, Nh = s0 (P - 1) + K0,
+// Nw = s1 (Q - 1) + K1. On an Nh x Nw circle no read wraps, so the correlation is exact there:
+//
+//   Y[f] = sum_c X[f, c] conj(W[f, o, c])           y = the inverse DFT of Y at rows s0 i, columns s1 j
+//
+// and its gradients are products of spectra too (dy placed at the strided positions: dZ):
+//
+//   dX[f] = sum_o dZ[f, o] W[f, o, c]                dW[f] = sum_n conj(dZ[n, f, o]) X[n, f, c]
+//
+// Each is one complex product per frequency f (Nh x (Nw/2 + 1) of them, real inputs), done with three
+// real products (Gauss) by oneDNN's sgemm in fp32 (nn/gemm.h). Why: PrimaryCaps (256 -> 256, 9 x 9,
+// stride 2, 20 x 20 -> 6 x 6) costs 81 x 36 = 2916 multiply-adds per (example, in, out) channel directly,
+// 3 x 19 x 10 = 570 this way: its fp32 forward, input and weight gradients take ~150 ms each in oneDNN's
+// direct kernels at batch 100, and about a third of that here (docs/kernels.md, "Spectral convolution").
+// The DFTs are matrix products too (the sizes are small and not powers of two, where PyTorch 1.13's
+// pocketfft was measured 0.2 s for the input's rfft2 alone). Rounding: the transforms are orthogonal up
+// to scale, so fp32 errors stay ~1e-6 of the output's norm (tests/test_spectral_conv.cpp).
+
+#include <torch/torch.h>
+
+#include <array>
+
+namespace capsnet::nn {
+
+/// Whether conv2d_spectral needs fewer multiply-adds than a direct convolution by a clear margin
+/// (at least 3x fewer per channel pair) for this kernel and output size.
+bool spectral_conv_pays_off(std::array<int64_t, 2> kernel, std::array<int64_t, 2> output,
+                            std::array<int64_t, 2> stride);
+
+/// y = conv2d(x, w, b, stride) through DFTs, differentiable in x, w and b (b may be undefined).
+/// x: [N, C, H, W]; w: [O, C, K0, K1]; b: [O]; float32 or float64, CPU. Returns y: [N, O, P, Q].
+torch::Tensor conv2d_spectral(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                              std::array<int64_t, 2> stride);
+
+/// The building blocks (exposed for the tests).
+/// spectrum of t: [P, Q, R, S] (contiguous) on an n[0] x n[1] circle, sample (r, s) of t placed at
+/// (step[0] r, step[1] s) for r < used[0], s < used[1]: [2 (real, imaginary), n0 * (n1 / 2 + 1), P, Q].
+torch::Tensor real_spectrum(const torch::Tensor& t, std::array<int64_t, 2> n, std::array<int64_t, 2> step,
+                            std::array<int64_t, 2> used);
+
+/// The inverse: writes the real signal of spec [2, n0 * (n1 / 2 + 1), P, Q] at positions (step[0] i,
+/// step[1] j) into out[p, q, i, j] for i < count[0], j < count[1]. out: [P, Q, >= count[0], >= count[1]]
+/// (contiguous); other entries are left as they are.
+void inverse_real_spectrum_into(torch::Tensor& out, const torch::Tensor& spec, std::array<int64_t, 2> n,
+                                std::array<int64_t, 2> step, std::array<int64_t, 2> count);
+
+}  // namespace capsnet::nn

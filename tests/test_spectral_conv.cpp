@@ -1,0 +1,206 @@
+// nn/spectral_conv.h and nn/gemm.h: the convolution through DFTs equals ATen's in float64 (output, input,
+// weight and bias gradients, for every geometry the formulas cover), passes a finite-difference gradcheck,
+// stays within fp32 rounding of ATen in float32, its spectra equal torch::fft's, and the products into
+// strided views equal torch::mm; conv2d_at takes it for PrimaryCaps-like fp32 convolutions only.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <limits>
+
+#include "capsnet/nn/gemm.h"
+#include "capsnet/nn/precision.h"
+#include "capsnet/nn/spectral_conv.h"
+#include "gradcheck.h"
+
+namespace capsnet {
+namespace {
+
+struct Case {
+  int64_t n, c, o, h, w, k0, k1, s0, s1;
+};
+
+std::vector<Case> cases() {
+  return {
+      {3, 5, 2, 20, 20, 9, 9, 2, 2},  // PrimaryCaps' geometry: the last row and column are never read
+      {2, 3, 4, 11, 9, 3, 3, 1, 1},   // stride 1, odd and non-square
+      {2, 4, 3, 13, 10, 3, 2, 2, 1},  // every axis different
+      {1, 2, 2, 8, 8, 1, 1, 3, 3},    // 1 x 1 kernel, stride beyond it
+      {2, 3, 5, 12, 12, 4, 4, 2, 2},  // even circle (Nyquist column), CapsPix2pix-like kernel
+      {2, 2, 3, 7, 9, 7, 9, 1, 1},    // kernel as large as the input: a 1 x 1 output
+  };
+}
+
+std::string name(const Case& t) {
+  return "n=" + std::to_string(t.n) + " c=" + std::to_string(t.c) + " o=" + std::to_string(t.o) + " " +
+         std::to_string(t.h) + "x" + std::to_string(t.w) + " k=" + std::to_string(t.k0) + "x" + std::to_string(t.k1) +
+         " s=" + std::to_string(t.s0) + "x" + std::to_string(t.s1);
+}
+
+double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+TEST(SpectralConv, SpectrumEqualsTorchFft) {
+  torch::manual_seed(1);
+  const auto t = torch::randn({2, 3, 7, 6}, torch::kDouble);
+  for (const auto& [n0, n1] : std::vector<std::array<int64_t, 2>>{{7, 6}, {9, 8}, {10, 7}}) {
+    const auto spec = nn::real_spectrum(t, {n0, n1}, {1, 1}, {7, 6});  // [2, n0 K, 2, 3]
+    const int64_t K = n1 / 2 + 1;
+    const auto padded = at::constant_pad_nd(t, {0, n1 - 6, 0, n0 - 7});
+    const auto ref = torch::fft::rfft2(padded).permute({2, 3, 0, 1}).reshape({n0 * K, 2, 3});
+    EXPECT_LT(max_abs_diff(spec[0], torch::real(ref)), 1e-11) << n0 << "x" << n1;
+    EXPECT_LT(max_abs_diff(spec[1], torch::imag(ref)), 1e-11) << n0 << "x" << n1;
+  }
+  // Samples placed at a stride: the spectrum of the zero-interleaved signal.
+  const auto spread = torch::zeros({2, 3, 13, 11}, torch::kDouble);
+  spread.slice(2, 0, 13, 2).slice(3, 0, 11, 2).copy_(t.slice(3, 0, 6));
+  const auto strided = nn::real_spectrum(t, {13, 11}, {2, 2}, {7, 6});
+  const auto ref = torch::fft::rfft2(spread).permute({2, 3, 0, 1}).reshape({13 * 6, 2, 3});
+  EXPECT_LT(max_abs_diff(strided[0], torch::real(ref)), 1e-11);
+  EXPECT_LT(max_abs_diff(strided[1], torch::imag(ref)), 1e-11);
+}
+
+TEST(SpectralConv, InverseRecoversTheSignal) {
+  torch::manual_seed(2);
+  for (const auto& [n0, n1] : std::vector<std::array<int64_t, 2>>{{7, 6}, {8, 9}}) {
+    const auto t = torch::randn({2, 3, n0, n1}, torch::kDouble);
+    const auto spec = nn::real_spectrum(t, {n0, n1}, {1, 1}, {n0, n1});
+    auto out = torch::full({2, 3, n0 + 1, n1 + 2}, 7.0, torch::kDouble);
+    nn::inverse_real_spectrum_into(out, spec, {n0, n1}, {1, 1}, {n0, n1});
+    EXPECT_LT(max_abs_diff(out.slice(2, 0, n0).slice(3, 0, n1), t), 1e-12);
+    EXPECT_TRUE(torch::all(out.slice(2, n0) == 7.0).item<bool>()) << "rows past count are left alone";
+    // Every second sample only.
+    auto half = torch::empty({2, 3, (n0 + 1) / 2, (n1 + 1) / 2}, torch::kDouble);
+    nn::inverse_real_spectrum_into(half, spec, {n0, n1}, {2, 2}, {(n0 + 1) / 2, (n1 + 1) / 2});
+    EXPECT_LT(max_abs_diff(half, t.slice(2, 0, n0, 2).slice(3, 0, n1, 2)), 1e-12);
+  }
+}
+
+TEST(SpectralConv, ForwardAndGradientsEqualAtenInFloat64) {
+  torch::manual_seed(3);
+  for (const auto& t : cases()) {
+    const auto x = torch::randn({t.n, t.c, t.h, t.w}, torch::kDouble).requires_grad_();
+    const auto w = torch::randn({t.o, t.c, t.k0, t.k1}, torch::kDouble).requires_grad_();
+    const auto b = torch::randn({t.o}, torch::kDouble).requires_grad_();
+    const auto y = nn::conv2d_spectral(x, w, b, {t.s0, t.s1});
+    const auto ref = at::conv2d(x, w, b, {t.s0, t.s1});
+    ASSERT_EQ(y.sizes(), ref.sizes()) << name(t);
+    EXPECT_LT(max_abs_diff(y, ref), 1e-10) << name(t);
+    const auto dy = torch::randn_like(ref);
+    const auto g = torch::autograd::grad({y}, {x, w, b}, {dy});
+    const auto r = torch::autograd::grad({ref}, {x, w, b}, {dy});
+    for (int i = 0; i < 3; ++i) EXPECT_LT(max_abs_diff(g[i], r[i]), 1e-10) << name(t) << " gradient " << i;
+  }
+}
+
+TEST(SpectralConv, PassesGradcheck) {
+  torch::manual_seed(4);
+  const auto x = torch::randn({2, 3, 9, 8}, torch::kDouble).requires_grad_();
+  const auto w = torch::randn({2, 3, 3, 4}, torch::kDouble).requires_grad_();
+  const auto b = torch::randn({2}, torch::kDouble).requires_grad_();
+  EXPECT_TRUE(testutil::gradcheck(
+      [](const std::vector<torch::Tensor>& in) { return nn::conv2d_spectral(in[0], in[1], in[2], {2, 1}); },
+      {x, w, b}));
+  // Without a bias.
+  EXPECT_TRUE(testutil::gradcheck(
+      [](const std::vector<torch::Tensor>& in) { return nn::conv2d_spectral(in[0], in[1], {}, {2, 2}); }, {x, w}));
+}
+
+// fp32 at PrimaryCaps' kernel, stride and input size (fewer channels): within fp32 rounding of ATen's.
+TEST(SpectralConv, Float32StaysWithinRoundingOfAten) {
+  torch::manual_seed(5);
+  const auto x = torch::rand({4, 64, 20, 20}).requires_grad_();
+  const auto w = (torch::randn({32, 64, 9, 9}) * 0.02).requires_grad_();
+  const auto y = nn::conv2d_spectral(x, w, {}, {2, 2});
+  const auto ref = at::conv2d(x, w, {}, {2, 2});
+  const auto relative = [](const torch::Tensor& a, const torch::Tensor& r) {
+    return ((a - r).abs().max() / r.abs().max()).item<double>();
+  };
+  EXPECT_LT(relative(y, ref), 1e-5);
+  const auto dy = torch::randn_like(ref);
+  const auto g = torch::autograd::grad({y}, {x, w}, {dy});
+  const auto r = torch::autograd::grad({ref}, {x, w}, {dy});
+  EXPECT_LT(relative(g[0], r[0]), 1e-5);
+  EXPECT_LT(relative(g[1], r[1]), 1e-5);
+}
+
+TEST(SpectralConv, RefusesBadInput) {
+  const auto x = torch::randn({1, 3, 9, 9});
+  EXPECT_THROW(nn::conv2d_spectral(x, torch::randn({2, 4, 3, 3}), {}, {1, 1}), c10::Error);     // channels
+  EXPECT_THROW(nn::conv2d_spectral(x, torch::randn({2, 3, 11, 3}), {}, {1, 1}), c10::Error);    // kernel > input
+  EXPECT_THROW(nn::conv2d_spectral(x, torch::randn({2, 3, 3, 3}), {}, {0, 1}), c10::Error);     // stride 0
+  EXPECT_THROW(nn::conv2d_spectral(x.to(torch::kBFloat16), torch::randn({2, 3, 3, 3}).to(torch::kBFloat16), {},
+                                   {1, 1}),
+               c10::Error);  // bf16: not this path's
+  EXPECT_THROW(nn::conv2d_spectral(x, torch::randn({2, 3, 3, 3}, torch::kDouble), {}, {1, 1}), c10::Error);
+}
+
+TEST(SpectralConv, OnlyLargeKernelsOnSmallOutputsInFp32UseIt) {
+  auto conv = [](int64_t in, int64_t out, int64_t k, int64_t stride, int64_t pad, int64_t dilation = 1) {
+    return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, k).stride(stride).padding(pad).dilation(dilation))
+        ->options;
+  };
+  EXPECT_TRUE(nn::spectral_conv_pays_off({9, 9}, {6, 6}, {2, 2}));            // 2916 vs 570 per channel pair
+  EXPECT_FALSE(nn::spectral_conv_pays_off({3, 3}, {6, 6}, {1, 1}));           // 324 vs 192
+  EXPECT_TRUE(nn::use_spectral_conv(conv(256, 256, 9, 2, 0), 20, 20));        // PrimaryCaps
+  EXPECT_FALSE(nn::use_spectral_conv(conv(1, 256, 9, 1, 0), 28, 28));         // Conv1: one input channel
+  EXPECT_FALSE(nn::use_spectral_conv(conv(256, 256, 9, 2, 1), 20, 20));       // padding
+  EXPECT_FALSE(nn::use_spectral_conv(conv(256, 256, 9, 2, 0, 2), 20, 20));    // dilation
+  EXPECT_FALSE(nn::use_spectral_conv(conv(32, 16, 5, 2, 0), 15, 15));         // 900 vs 360: too few saved
+  EXPECT_FALSE(nn::use_spectral_conv(conv(256, 256, 5, 1, 2), 20, 20));       // the CNN's 20 x 20 output
+}
+
+// conv2d_at's fp32 path takes it where use_spectral_conv says so (the same values as conv2d_spectral,
+// bit for bit), and its bf16 path does not (oneDNN's bf16 kernels, within bf16 rounding of fp32).
+TEST(SpectralConv, Conv2dAtTakesItInFp32Only) {
+  torch::manual_seed(6);
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(32, 8, 9).stride(2));
+  const auto x = torch::rand({2, 32, 20, 20});
+  ASSERT_TRUE(nn::use_spectral_conv(conv->options, 20, 20));
+  const auto y = nn::conv2d_at(conv, x, nn::Precision::kFloat32);
+  EXPECT_TRUE(torch::equal(y, nn::conv2d_spectral(x, conv->weight, conv->bias, {2, 2})));
+  const auto ref = conv->forward(x);
+  EXPECT_LT(((y - ref).abs().max() / ref.abs().max()).item<double>(), 1e-5);
+  if (nn::cpu_has_native_bf16()) {
+    const auto yb = nn::conv2d_at(conv, x, nn::Precision::kBFloat16);
+    EXPECT_EQ(yb.scalar_type(), torch::kBFloat16);
+    EXPECT_LT(((yb.to(torch::kFloat) - ref).abs().max() / ref.abs().max()).item<double>(), 3e-2);
+  }
+}
+
+TEST(Gemm, EqualsMatmulForEveryLayout) {
+  torch::manual_seed(7);
+  for (const auto dtype : {torch::kFloat, torch::kDouble}) {
+    const double tol = dtype == torch::kFloat ? 1e-4 : 1e-12;
+    const auto a = torch::randn({5, 7}, dtype), b = torch::randn({7, 4}, dtype);
+    const auto at_ = torch::randn({7, 5}, dtype).t(), bt = torch::randn({4, 7}, dtype).t();  // column-major
+    for (const auto& [x, y] : std::vector<std::pair<torch::Tensor, torch::Tensor>>{{a, b}, {at_, b}, {a, bt}, {at_, bt}}) {
+      auto out = torch::full({5, 4}, std::numeric_limits<double>::quiet_NaN(), dtype);
+      nn::gemm_into(out, x, y);  // beta 0 ignores the NaNs
+      EXPECT_LT(max_abs_diff(out, torch::mm(x, y)), tol);
+      const auto before = out.clone();
+      nn::gemm_into(out, x, y, -2.0, 0.5);
+      EXPECT_LT(max_abs_diff(out, 0.5 * before - 2.0 * torch::mm(x, y)), tol);
+    }
+    // Into a strided view (every second column of a wider matrix), the other columns untouched.
+    auto wide = torch::zeros({5, 8}, dtype);
+    auto view = wide.narrow(1, 2, 4);
+    nn::gemm_into(view, a, b);
+    EXPECT_LT(max_abs_diff(wide.narrow(1, 2, 4), torch::mm(a, b)), tol);
+    EXPECT_EQ(wide.narrow(1, 0, 2).abs().sum().item<double>(), 0.0);
+    // Batched.
+    const auto ba = torch::randn({3, 5, 7}, dtype), bb = torch::randn({3, 4, 7}, dtype).transpose(1, 2);
+    auto bout = torch::empty({3, 5, 4}, dtype);
+    nn::batched_gemm_into(bout, ba, bb);
+    EXPECT_LT(max_abs_diff(bout, torch::bmm(ba, bb)), tol);
+  }
+}
+
+TEST(Gemm, RefusesShapesThatDoNotChain) {
+  auto out = torch::empty({5, 4});
+  EXPECT_THROW(nn::gemm_into(out, torch::randn({5, 7}), torch::randn({6, 4})), c10::Error);
+  EXPECT_THROW(nn::gemm_into(out, torch::randn({5, 7}), torch::randn({7, 4}, torch::kDouble)), c10::Error);
+  auto bout = torch::empty({2, 5, 4});
+  EXPECT_THROW(nn::batched_gemm_into(bout, torch::randn({3, 5, 7}), torch::randn({3, 7, 4})), c10::Error);
+}
+
+}  // namespace
+}  // namespace capsnet
