@@ -31,10 +31,16 @@ namespace capsnet::nn {
 bool spectral_conv_pays_off(std::array<int64_t, 2> kernel, std::array<int64_t, 2> output,
                             std::array<int64_t, 2> stride);
 
+/// Bytes of the weight's spectrum (or of its gradient's) held at a time: conv2d_spectral goes through
+/// the frequencies in chunks of whole rows (PrimaryCaps' whole spectrum, 2 x 19 x 10 x 256 x 256 floats,
+/// is 100 MB; a row 5.2 MB, so chunks of 4 rows).
+constexpr int64_t kSpectralChunkBytes = int64_t{24} << 20;
+
 /// y = conv2d(x, w, b, stride) through DFTs, differentiable in x, w and b (b may be undefined).
 /// x: [N, C, H, W]; w: [O, C, K0, K1]; b: [O]; float32 or float64, CPU. Returns y: [N, O, P, Q].
+/// chunk_bytes: at most this many bytes of w's spectrum at a time (at least one row of frequencies).
 torch::Tensor conv2d_spectral(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
-                              std::array<int64_t, 2> stride);
+                              std::array<int64_t, 2> stride, int64_t chunk_bytes = kSpectralChunkBytes);
 
 /// The building blocks (exposed for the tests).
 /// spectrum of t: [P, Q, R, S] (contiguous) on an n[0] x n[1] circle, sample (r, s) of t placed at
