@@ -55,11 +55,16 @@ void aten_gemm(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& 
     out.addmm_(a, b, beta, alpha);
 }
 
+// One 2-D product: oneDNN where the layouts allow, else ATen.
+void product_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, double alpha, double beta) {
+  if (!sgemm(out, a, b, alpha, beta)) aten_gemm(out, a, b, alpha, beta);
+}
+
 }  // namespace
 
 void gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, double alpha, double beta) {
   check_shapes("gemm_into", out, a, b, 2);
-  if (!sgemm(out, a, b, alpha, beta)) aten_gemm(out, a, b, alpha, beta);
+  product_into(out, a, b, alpha, beta);
 }
 
 void batched_gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, double alpha,
@@ -69,7 +74,7 @@ void batched_gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::
   if (out.scalar_type() == torch::kFloat && out.device().is_cpu()) {
     for (int64_t f = 0; f < out.size(0); ++f) {
       auto o = out[f];
-      if (!sgemm(o, a[f], b[f], alpha, beta)) aten_gemm(o, a[f], b[f], alpha, beta);
+      product_into(o, a[f], b[f], alpha, beta);
     }
     return;
   }

@@ -87,17 +87,18 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Prec
   if (blocked && torch::GradMode::is_enabled()) *blocked = BlockedConvWeights();
   const auto x = x_in.is_mkldnn() ? x_in.to_dense() : x_in;
   const auto& o = conv->options;
+  // PrimaryCaps-like convolutions in fp32 through DFTs (fewer multiply-adds). fp32 only: in bf16, oneDNN's
+  // bf16 kernels are as fast as the fp32 spectral form at 0.5 x its peak memory (docs/kernels.md,
+  // "Spectral convolution").
+  if (precision == Precision::kFloat32 && x.dim() == 4 && x.device().is_cpu() &&
+      use_spectral_conv(o, x.size(-2), x.size(-1)))
+    return conv2d_spectral(x, conv->weight, conv->bias, {o.stride()->at(0), o.stride()->at(1)});
   // Many input channels and a small output: oneDNN's bf16 weight gradient is ~2x slower than the same
   // FLOPs as a forward convolution, and its backward-data kernel for a strided one 1.55x (bf16) / 1.3x
   // (fp32) slower than forward convolutions by stride phase (measured, docs/kernels.md), so those
   // gradients run as forward convolutions. With few
   // input channels (Conv1: 1) or a large output (the CNN's 20 x 20) the swapped forms are slower and
   // oneDNN's stay; in fp32 oneDNN's weight gradient is as fast as the swapped one.
-  // fp32 only: in bf16, oneDNN's bf16 kernels are as fast as the fp32 spectral form at 0.5 x its peak
-  // memory (measured, docs/kernels.md "Spectral convolution").
-  if (precision == Precision::kFloat32 && x.dim() == 4 && x.device().is_cpu() &&
-      use_spectral_conv(o, x.size(-2), x.size(-1)))
-    return conv2d_spectral(x, conv->weight, conv->bias, {o.stride()->at(0), o.stride()->at(1)});
   const bool swapped_weight = precision != Precision::kFloat32 && use_batch_swapped_weight_grad(o, x.size(-2), x.size(-1));
   const bool phase_input = x.dim() == 4 && use_phase_input_grad(o, x.size(-2), x.size(-1));
   if (precision == Precision::kFloat32 && !phase_input) return conv->forward(x);

@@ -11,6 +11,10 @@ constexpr double kTwoPi = 6.283185307179586476925286766559;
 
 int64_t half_size(int64_t n) { return n / 2 + 1; }
 
+// The DFT size along one axis: the extent of the input that an output of `output` samples at `stride`
+// reads with a `kernel`-tap kernel.
+int64_t circle_size(int64_t kernel, int64_t output, int64_t stride) { return stride * (output - 1) + kernel; }
+
 // Angles 2 pi (k * step * r mod n) / n of the DFT matrices, in float64 (the reduction mod n keeps them exact).
 torch::Tensor dft_angles(int64_t frequencies, int64_t samples, int64_t step, int64_t n) {
   const auto o = torch::TensorOptions().dtype(torch::kFloat64);
@@ -171,7 +175,7 @@ SpectralGeometry spectral_geometry(const torch::Tensor& x, const torch::Tensor& 
   SpectralGeometry g{stride, {w.size(2), w.size(3)}, {}, {}};
   for (int d = 0; d < 2; ++d) {
     g.output[d] = (x.size(2 + d) - g.kernel[d]) / stride[d] + 1;
-    g.circle[d] = stride[d] * (g.output[d] - 1) + g.kernel[d];
+    g.circle[d] = circle_size(g.kernel[d], g.output[d], stride[d]);
   }
   return g;
 }
@@ -224,7 +228,8 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     const auto dy = grads[0].contiguous();  // dy: [N, O, P, Q]
     const int64_t N = dy.size(0), O = w.size(0), C = w.size(1);
     const std::array<int64_t, 2> kernel{w.size(2), w.size(3)}, output{dy.size(2), dy.size(3)};
-    const std::array<int64_t, 2> circle{stride[0] * (output[0] - 1) + kernel[0], stride[1] * (output[1] - 1) + kernel[1]};
+    const std::array<int64_t, 2> circle{circle_size(kernel[0], output[0], stride[0]),
+                                        circle_size(kernel[1], output[1], stride[1])};
     const int64_t K = half_size(circle[1]);
     const int64_t rows = rows_per_chunk(K, O, C, w.element_size(), ctx->saved_data["chunk_bytes"].toInt());
     // dy sits at the strided positions of the full correlation's output.
@@ -270,7 +275,7 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
 
 bool spectral_conv_pays_off(std::array<int64_t, 2> kernel, std::array<int64_t, 2> output,
                             std::array<int64_t, 2> stride) {
-  const int64_t n0 = stride[0] * (output[0] - 1) + kernel[0], n1 = stride[1] * (output[1] - 1) + kernel[1];
+  const int64_t n0 = circle_size(kernel[0], output[0], stride[0]), n1 = circle_size(kernel[1], output[1], stride[1]);
   const int64_t direct = kernel[0] * kernel[1] * output[0] * output[1];
   const int64_t spectral = 3 * n0 * half_size(n1);
   return direct >= 3 * spectral;
