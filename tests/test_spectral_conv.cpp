@@ -91,16 +91,17 @@ TEST(SpectralConv, ForwardAndGradientsEqualAtenInFloat64) {
   }
 }
 
-// The frequencies go through the products in chunks of rows (the weight's spectrum a chunk at a time):
-// one row per chunk, two (11 rows = 5 x 2 + 1), one chunk and the default all equal ATen.
-TEST(SpectralConv, ChunksOverFrequencyRowsGiveTheSameResult) {
+// The frequencies go through the products in chunks of columns (the weight's spectrum a chunk at a
+// time; a column is 2 x 11 x 40 x 3 doubles, 21120 bytes): one column per chunk, four (6 columns = 4 + 2),
+// one chunk and the default all equal ATen.
+TEST(SpectralConv, ChunksOverFrequencyColumnsGiveTheSameResult) {
   torch::manual_seed(8);
   const auto x = torch::randn({2, 3, 11, 10}, torch::kDouble).requires_grad_();
   const auto w = torch::randn({40, 3, 5, 4}, torch::kDouble).requires_grad_();
   const auto ref = at::conv2d(x, w, {}, {2, 2});
   const auto dy = torch::randn_like(ref);
   const auto r = torch::autograd::grad({ref}, {x, w}, {dy});
-  for (const int64_t chunk_bytes : {int64_t{1}, int64_t{2 * 11520}, int64_t{1} << 30, nn::kSpectralChunkBytes}) {
+  for (const int64_t chunk_bytes : {int64_t{1}, int64_t{4 * 21120}, int64_t{1} << 30, nn::kSpectralChunkBytes}) {
     const auto y = nn::conv2d_spectral(x, w, {}, {2, 2}, chunk_bytes);
     EXPECT_LT(max_abs_diff(y, ref), 1e-10) << chunk_bytes;
     const auto g = torch::autograd::grad({y}, {x, w}, {dy});

@@ -1,15 +1,14 @@
 #include "capsnet/nn/batch_swapped_conv.h"
 
+#include "capsnet/nn/saved_pairs.h"
+
 #include <algorithm>
 
 namespace capsnet::nn {
 namespace {
 
-std::vector<int64_t> as_vector(const std::array<int64_t, 2>& a) { return {a[0], a[1]}; }
-std::array<int64_t, 2> as_array(const c10::IValue& v) {
-  const auto list = v.toIntVector();
-  return {list[0], list[1]};
-}
+using detail::as_array;
+using detail::as_vector;
 
 class Conv2dFunction : public torch::autograd::Function<Conv2dFunction> {
  public:

@@ -14,8 +14,8 @@
 // Each is one complex product per frequency f (Nh x (Nw/2 + 1) of them, real inputs), done with three
 // real products (Gauss) by oneDNN's sgemm in fp32 (nn/gemm.h). Why: PrimaryCaps (256 -> 256, 9 x 9,
 // stride 2, 20 x 20 -> 6 x 6) costs 81 x 36 = 2916 multiply-adds per (example, in, out) channel directly,
-// 3 x 19 x 10 = 570 this way: at batch 100 its fp32 forward takes 82-100 ms here against 148-164 ms in
-// oneDNN's direct kernels, both gradients 126-141 ms against ~300 (docs/kernels.md, "Spectral convolution").
+// 3 x 19 x 10 = 570 this way: at batch 100 its fp32 forward took 82-100 ms against 148-164 ms in oneDNN's
+// direct kernels, both gradients 126-141 ms against ~300 (docs/kernels.md, "Spectral convolution").
 // The DFTs are matrix products too (the sizes are small and not powers of two, where PyTorch 1.13's
 // pocketfft was measured 0.2 s for the input's rfft2 alone). Rounding: the transforms are orthogonal up
 // to scale, so fp32 errors stay ~1e-6 of the output's norm (tests/test_spectral_conv.cpp).
@@ -32,13 +32,13 @@ bool spectral_conv_pays_off(std::array<int64_t, 2> kernel, std::array<int64_t, 2
                             std::array<int64_t, 2> stride);
 
 /// Bytes of the weight's spectrum (or of its gradient's) held at a time: conv2d_spectral goes through
-/// the frequencies in chunks of whole rows (PrimaryCaps' whole spectrum, 2 x 19 x 10 x 256 x 256 floats,
-/// is 100 MB; a row 5.2 MB, so chunks of 4 rows).
+/// the frequencies in chunks of whole columns (the last axis's frequencies; PrimaryCaps' whole spectrum,
+/// 2 x 19 x 10 x 256 x 256 floats, is 100 MB; a column 10 MB, so chunks of 2 columns).
 constexpr int64_t kSpectralChunkBytes = int64_t{24} << 20;
 
 /// y = conv2d(x, w, b, stride) through DFTs, differentiable in x, w and b (b may be undefined).
 /// x: [N, C, H, W]; w: [O, C, K0, K1]; b: [O]; float32 or float64, CPU. Returns y: [N, O, P, Q].
-/// chunk_bytes: at most this many bytes of w's spectrum at a time (at least one row of frequencies).
+/// chunk_bytes: at most this many bytes of w's spectrum at a time (at least one column of frequencies).
 torch::Tensor conv2d_spectral(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
                               std::array<int64_t, 2> stride, int64_t chunk_bytes = kSpectralChunkBytes);
 
