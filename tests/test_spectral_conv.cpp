@@ -9,6 +9,7 @@
 
 #include "capsnet/nn/gemm.h"
 #include "capsnet/nn/precision.h"
+#include "capsnet/nn/blocked_conv.h"
 #include "capsnet/nn/spectral_conv.h"
 #include "gradcheck.h"
 
@@ -182,6 +183,27 @@ TEST(SpectralConv, Conv2dAtTakesItInFp32Only) {
     const auto yb = nn::conv2d_at(conv, x, nn::Precision::kBFloat16);
     EXPECT_EQ(yb.scalar_type(), torch::kBFloat16);
     EXPECT_LT(((yb.to(torch::kFloat) - ref).abs().max() / ref.abs().max()).item<double>(), 3e-2);
+  }
+}
+
+// Inference (autograd off) takes it from kSpectralInferenceMinBatch examples on, even when the caller
+// offers blocked weights (dense output, no blocked reorder made); below that the blocked direct kernel.
+TEST(SpectralConv, InferenceTakesItFromTheMinimumBatch) {
+  torch::manual_seed(9);
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(32, 8, 9).stride(2));
+  ASSERT_TRUE(nn::use_spectral_conv(conv->options, 20, 20));
+  torch::NoGradGuard no_grad;
+  for (const int64_t n : {nn::kSpectralInferenceMinBatch - 1, nn::kSpectralInferenceMinBatch}) {
+    const auto x = torch::rand({n, 32, 20, 20});
+    nn::BlockedConvWeights blocked;
+    const auto y = nn::conv2d_at(conv, x, nn::Precision::kFloat32, &blocked);
+    const bool spectral = n >= nn::kSpectralInferenceMinBatch;
+    ASSERT_EQ(y.is_mkldnn(), !spectral) << n;
+    EXPECT_EQ(blocked.reorders(), spectral ? 0 : 1) << n;
+    if (spectral) EXPECT_TRUE(torch::equal(y, nn::conv2d_spectral(x, conv->weight, conv->bias, {2, 2})));
+    const auto ref = conv->forward(x);
+    const auto yd = y.is_mkldnn() ? y.to_dense() : y;
+    EXPECT_LT(((yd - ref).abs().max() / ref.abs().max()).item<double>(), 1e-5) << n;
   }
 }
 

@@ -80,19 +80,20 @@ bool use_spectral_conv(const torch::nn::detail::ConvNdOptions<2>& o, int64_t in_
 torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Precision precision,
                         BlockedConvWeights* blocked) {
   const auto dtype = compute_dtype(precision);
-  if (blocked && BlockedConvWeights::usable(conv, x_in, dtype)) return blocked->forward(conv, x_in, dtype);
+  const auto& o = conv->options;
+  // PrimaryCaps-like convolutions in fp32 through DFTs (fewer multiply-adds). fp32 only: in bf16, oneDNN's
+  // bf16 kernels are as fast as the fp32 spectral form at 0.5 x its peak memory (docs/kernels.md,
+  // "Spectral convolution").
+  const bool spectral = precision == Precision::kFloat32 && x_in.dim() == 4 && x_in.device().is_cpu() &&
+                        use_spectral_conv(o, x_in.size(-2), x_in.size(-1)) &&
+                        (torch::GradMode::is_enabled() || x_in.size(0) >= kSpectralInferenceMinBatch);
+  if (!spectral && blocked && BlockedConvWeights::usable(conv, x_in, dtype)) return blocked->forward(conv, x_in, dtype);
   // A forward under autograd is training: the optimizer step after it may change the weights without
   // bumping their version counter (LibTorch 1.13's SGD updates p.data()), so the kept blocked weights
   // are dropped here and the next inference call reorders afresh (as it must after any step anyway).
   if (blocked && torch::GradMode::is_enabled()) *blocked = BlockedConvWeights();
   const auto x = x_in.is_mkldnn() ? x_in.to_dense() : x_in;
-  const auto& o = conv->options;
-  // PrimaryCaps-like convolutions in fp32 through DFTs (fewer multiply-adds). fp32 only: in bf16, oneDNN's
-  // bf16 kernels are as fast as the fp32 spectral form at 0.5 x its peak memory (docs/kernels.md,
-  // "Spectral convolution").
-  if (precision == Precision::kFloat32 && x.dim() == 4 && x.device().is_cpu() &&
-      use_spectral_conv(o, x.size(-2), x.size(-1)))
-    return conv2d_spectral(x, conv->weight, conv->bias, {o.stride()->at(0), o.stride()->at(1)});
+  if (spectral) return conv2d_spectral(x, conv->weight, conv->bias, {o.stride()->at(0), o.stride()->at(1)});
   // Many input channels and a small output: oneDNN's bf16 weight gradient is ~2x slower than the same
   // FLOPs as a forward convolution, and its backward-data kernel for a strided one 1.55x (bf16) / 1.3x
   // (fp32) slower than forward convolutions by stride phase (measured, docs/kernels.md), so those

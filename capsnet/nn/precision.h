@@ -58,12 +58,19 @@ bool use_phase_input_grad(const torch::nn::detail::ConvNdOptions<2>& options, in
 /// oneDNN's fp32 kernels at batch 100, docs/kernels.md).
 bool use_spectral_conv(const torch::nn::detail::ConvNdOptions<2>& options, int64_t in_h, int64_t in_w);
 
+/// Inference (autograd off) takes the spectral form from this batch size on: it makes the weight's
+/// spectrum on every call (~15 ms for PrimaryCaps), which the blocked direct kernel (weights reordered
+/// once) beats below ~24 examples. Measured, PrimaryCaps fp32 forward: batch 16 23.7 vs 17.5 ms direct,
+/// 32 29.3 vs 36.7, 100 53.4 vs 120.7 (docs/kernels.md).
+constexpr int64_t kSpectralInferenceMinBatch = 32;
+
 /// conv(x) with input, weight and bias in the compute dtype (the output stays in it). Autograd
 /// returns fp32 gradients to the fp32 weights through the casts. In bf16, where
 /// use_batch_swapped_weight_grad says so, the weight gradient is computed batch-swapped; in either
 /// precision, where use_phase_input_grad says so, the input gradient by stride phases; in fp32 (the
-/// master dtype: float32 or float64), where use_spectral_conv says so, all three passes through DFTs.
-/// With `blocked` and autograd off (BlockedConvWeights::usable), it runs on oneDNN's blocked tensors
+/// master dtype: float32 or float64), where use_spectral_conv says so, all three passes through DFTs
+/// (with autograd off, from kSpectralInferenceMinBatch examples on).
+/// Otherwise, with `blocked` and autograd off (BlockedConvWeights::usable), it runs on oneDNN's blocked tensors
 /// with weights reordered once, and returns a blocked tensor (is_mkldnn()): the caller calls
 /// to_dense() where it leaves its convolution stack. A blocked x is accepted either way.
 torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x, Precision precision,
