@@ -59,13 +59,13 @@ std::array<torch::Tensor, 2> real_idft_matrices(int64_t n0, int64_t n, int64_t s
   return {(weight * torch::cos(a)).to(o), (-weight * torch::sin(a)).to(o)};
 }
 
-// The spectra's two stages. Along the last axis, one product per sample row r (t read in place, transposed): a[r] = M_last t[:, :, r, :]^T.
-// t: [P, Q, R, S] contiguous -> a: [used0, 2 K, P Q].
+// The spectra's two stages. Along the last axis, one product per sample row r (t read in place,
+// transposed): a[r] = M_last t[:, :, r, :]^T. t: [P, Q, R, S] contiguous -> a: [used0, 2 K, P Q].
 torch::Tensor last_axis_spectrum(const torch::Tensor& t, int64_t n, int64_t step, std::array<int64_t, 2> used) {
   const int64_t PQ = t.size(0) * t.size(1), K = half_size(n);
   const auto tv = t.view({PQ, t.size(2), t.size(3)});
   const auto m = real_dft_matrix(n, step, used[1], t.options());  // m: [2 K, used1]
-  auto a = torch::empty({used[0], 2 * K, PQ}, t.options());            // a: [r, (part, k1), PQ]
+  auto a = torch::empty({used[0], 2 * K, PQ}, t.options());      // a: [r, (part, k1), PQ]
   for (int64_t r = 0; r < used[0]; ++r) {
     auto ar = a[r];
     gemm_into(ar, m, tv.select(1, r).narrow(1, 0, used[1]).t());
