@@ -15,7 +15,8 @@
 // real products (Gauss) by oneDNN's sgemm in fp32 (nn/gemm.h). Why: PrimaryCaps (256 -> 256, 9 x 9,
 // stride 2, 20 x 20 -> 6 x 6) costs 81 x 36 = 2916 multiply-adds per (example, in, out) channel directly,
 // 3 x 19 x 10 = 570 this way: at batch 100 its fp32 forward took 82-100 ms against 148-164 ms in oneDNN's
-// direct kernels, both gradients 126-141 ms against ~300 (docs/kernels.md, "Spectral convolution").
+// direct kernels, both gradients 126-141 ms against ~300; with the frequencies in chunks of columns,
+// forward + backward 154-157 ms against 183-187 before (docs/kernels.md, "Spectral convolution").
 // The DFTs are matrix products too (the sizes are small and not powers of two, where PyTorch 1.13's
 // pocketfft was measured 0.2 s for the input's rfft2 alone). Rounding: the transforms are orthogonal up
 // to scale, so fp32 errors stay ~1e-6 of the output's norm (tests/test_spectral_conv.cpp).
