@@ -7,9 +7,9 @@
 
 #include <limits>
 
+#include "capsnet/nn/blocked_conv.h"
 #include "capsnet/nn/gemm.h"
 #include "capsnet/nn/precision.h"
-#include "capsnet/nn/blocked_conv.h"
 #include "capsnet/nn/spectral_conv.h"
 #include "gradcheck.h"
 

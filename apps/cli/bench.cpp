@@ -264,7 +264,8 @@ int run_all(const Flags& f) {
   // multiply-adds (nn/spectral_conv.h), so its training and inference shares of the probe can exceed 100%.
   std::cout << fmt::format("\nachieved GFLOP/s ({:.3f} GFLOP per image forward, x3 for a training step; nominal: the "
                            "direct convolutions' count, which capsnet's fp32 PrimaryCaps undercuts 5x in "
-                           "training and at batch >= 32 in inference) and share of the GEMM probe of the configuration's compute type:\n",
+                           "training and at batch >= 32 in inference) and share of the GEMM probe of the "
+                           "configuration's compute type:\n",
                            flops / 1e9);
   std::cout << fmt::format("{:<50} {:>11} {:>8} {:>11} {:>8}\n", "configuration", "train", "% peak", "infer",
                            "% peak");
