@@ -1,7 +1,8 @@
 // nn/spectral_conv.h and nn/gemm.h: the convolution through DFTs equals ATen's in float64 (output, input,
 // weight and bias gradients, for every geometry the formulas cover), passes a finite-difference gradcheck,
-// stays within fp32 rounding of ATen in float32, its spectra equal torch::fft's, and the products into
-// strided views equal torch::mm; conv2d_at takes it for PrimaryCaps-like fp32 convolutions only.
+// stays within fp32 rounding of ATen in float32 and within bf16 rounding of float64 with a bf16 input, its
+// spectra equal torch::fft's, and the products into strided views equal torch::mm (bf16 operands: exact
+// products summed in fp32); conv2d_at takes it for PrimaryCaps-like convolutions in both precisions.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -142,14 +143,48 @@ TEST(SpectralConv, Float32StaysWithinRoundingOfAten) {
   EXPECT_LT(relative(g[1], r[1]), 1e-5);
 }
 
+// A bf16 input (spectra and products in bf16, sums in fp32) with the fp32 master weight, every geometry:
+// within bf16 rounding of float64 on the same rounded input and weight, y and dx in bf16, dW and db in
+// fp32. Measured 3-6e-3 of each tensor's largest entry (oneDNN's direct bf16 convolution: ~2.5e-3; a wrong
+// term gives O(1)).
+TEST(SpectralConv, Bf16StaysWithinItsRoundingOfFloat64) {
+  torch::manual_seed(10);
+  const auto relative = [](const torch::Tensor& a, const torch::Tensor& r) {
+    return ((a.to(torch::kDouble) - r).abs().max() / r.abs().max()).item<double>();
+  };
+  for (const auto& t : cases()) {
+    const auto x = torch::randn({t.n, t.c, t.h, t.w}).to(torch::kBFloat16).requires_grad_();
+    const auto w = torch::randn({t.o, t.c, t.k0, t.k1}).requires_grad_();
+    const auto b = torch::randn({t.o}).requires_grad_();
+    const auto y = nn::conv2d_spectral(x, w, b, {t.s0, t.s1});
+    ASSERT_EQ(y.scalar_type(), torch::kBFloat16) << name(t);
+    const auto xr = x.detach().to(torch::kDouble).requires_grad_();
+    const auto wr = w.detach().to(torch::kBFloat16).to(torch::kDouble).requires_grad_();
+    const auto br = b.detach().to(torch::kDouble).requires_grad_();
+    const auto ref = at::conv2d(xr, wr, br, {t.s0, t.s1});
+    EXPECT_LT(relative(y, ref), 1e-2) << name(t);
+    const auto dy = torch::randn(ref.sizes()).to(torch::kBFloat16);
+    const auto g = torch::autograd::grad({y}, {x, w, b}, {dy});
+    const auto r = torch::autograd::grad({ref}, {xr, wr, br}, {dy.to(torch::kDouble)});
+    EXPECT_EQ(g[0].scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(g[1].scalar_type(), torch::kFloat);
+    EXPECT_EQ(g[2].scalar_type(), torch::kFloat);
+    for (int i = 0; i < 3; ++i) EXPECT_LT(relative(g[i], r[i]), 1e-2) << name(t) << " gradient " << i;
+  }
+}
+
 TEST(SpectralConv, RefusesBadInput) {
   const auto x = torch::randn({1, 3, 9, 9});
   EXPECT_THROW(nn::conv2d_spectral(x, torch::randn({2, 4, 3, 3}), {}, {1, 1}), c10::Error);     // channels
   EXPECT_THROW(nn::conv2d_spectral(x, torch::randn({2, 3, 11, 3}), {}, {1, 1}), c10::Error);    // kernel > input
   EXPECT_THROW(nn::conv2d_spectral(x, torch::randn({2, 3, 3, 3}), {}, {0, 1}), c10::Error);     // stride 0
+  // bf16 takes a bf16 input with the fp32 master weight, nothing else.
   EXPECT_THROW(nn::conv2d_spectral(x.to(torch::kBFloat16), torch::randn({2, 3, 3, 3}).to(torch::kBFloat16), {},
                                    {1, 1}),
-               c10::Error);  // bf16: not this path's
+               c10::Error);
+  EXPECT_THROW(nn::conv2d_spectral(x.to(torch::kBFloat16), torch::randn({2, 3, 3, 3}, torch::kDouble), {}, {1, 1}),
+               c10::Error);
+  EXPECT_THROW(nn::conv2d_spectral(x, torch::randn({2, 3, 3, 3}).to(torch::kBFloat16), {}, {1, 1}), c10::Error);
   EXPECT_THROW(nn::conv2d_spectral(x, torch::randn({2, 3, 3, 3}, torch::kDouble), {}, {1, 1}), c10::Error);
 }
 
@@ -168,9 +203,9 @@ TEST(SpectralConv, OnlyLargeKernelsOnSmallOutputsInFp32UseIt) {
   EXPECT_FALSE(nn::use_spectral_conv(conv(256, 256, 5, 1, 2), 20, 20));       // the CNN's 20 x 20 output
 }
 
-// conv2d_at's fp32 path takes it where use_spectral_conv says so (the same values as conv2d_spectral,
-// bit for bit), and its bf16 path does not (oneDNN's bf16 kernels, within bf16 rounding of fp32).
-TEST(SpectralConv, Conv2dAtTakesItInFp32Only) {
+// conv2d_at takes it where use_spectral_conv says so, in fp32 and in bf16 (the same values as
+// conv2d_spectral of the cast input and the fp32 master weight, bit for bit; the weight's gradient in fp32).
+TEST(SpectralConv, Conv2dAtTakesItInBothPrecisions) {
   torch::manual_seed(6);
   torch::nn::Conv2d conv(torch::nn::Conv2dOptions(32, 8, 9).stride(2));
   const auto x = torch::rand({2, 32, 20, 20});
@@ -182,7 +217,10 @@ TEST(SpectralConv, Conv2dAtTakesItInFp32Only) {
   if (nn::cpu_has_native_bf16()) {
     const auto yb = nn::conv2d_at(conv, x, nn::Precision::kBFloat16);
     EXPECT_EQ(yb.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(yb, nn::conv2d_spectral(x.to(torch::kBFloat16), conv->weight, conv->bias, {2, 2})));
     EXPECT_LT(((yb.to(torch::kFloat) - ref).abs().max() / ref.abs().max()).item<double>(), 3e-2);
+    yb.sum().backward();
+    EXPECT_EQ(conv->weight.grad().scalar_type(), torch::kFloat32);
   }
 }
 
@@ -193,17 +231,25 @@ TEST(SpectralConv, InferenceTakesItFromTheMinimumBatch) {
   torch::nn::Conv2d conv(torch::nn::Conv2dOptions(32, 8, 9).stride(2));
   ASSERT_TRUE(nn::use_spectral_conv(conv->options, 20, 20));
   torch::NoGradGuard no_grad;
-  for (const int64_t n : {nn::kSpectralInferenceMinBatch - 1, nn::kSpectralInferenceMinBatch}) {
-    const auto x = torch::rand({n, 32, 20, 20});
-    nn::BlockedConvWeights blocked;
-    const auto y = nn::conv2d_at(conv, x, nn::Precision::kFloat32, &blocked);
-    const bool spectral = n >= nn::kSpectralInferenceMinBatch;
-    ASSERT_EQ(y.is_mkldnn(), !spectral) << n;
-    EXPECT_EQ(blocked.reorders(), spectral ? 0 : 1) << n;
-    if (spectral) EXPECT_TRUE(torch::equal(y, nn::conv2d_spectral(x, conv->weight, conv->bias, {2, 2})));
-    const auto ref = conv->forward(x);
-    const auto yd = y.is_mkldnn() ? y.to_dense() : y;
-    EXPECT_LT(((yd - ref).abs().max() / ref.abs().max()).item<double>(), 1e-5) << n;
+  std::vector<nn::Precision> precisions{nn::Precision::kFloat32};
+  if (nn::cpu_has_native_bf16()) precisions.push_back(nn::Precision::kBFloat16);
+  for (const auto precision : precisions) {
+    const auto dtype = nn::compute_dtype(precision);
+    for (const int64_t n : {nn::kSpectralInferenceMinBatch - 1, nn::kSpectralInferenceMinBatch}) {
+      const auto x = torch::rand({n, 32, 20, 20});
+      nn::BlockedConvWeights blocked;
+      const auto y = nn::conv2d_at(conv, x, precision, &blocked);
+      const bool spectral = n >= nn::kSpectralInferenceMinBatch;
+      ASSERT_EQ(y.is_mkldnn(), !spectral) << n << " " << nn::precision_name(precision);
+      EXPECT_EQ(blocked.reorders(), spectral ? 0 : 1) << n;
+      if (spectral)
+        EXPECT_TRUE(torch::equal(y, nn::conv2d_spectral(x.to(dtype), conv->weight, conv->bias, {2, 2})));
+      const auto ref = conv->forward(x);
+      const auto yd = (y.is_mkldnn() ? y.to_dense() : y).to(torch::kFloat);
+      EXPECT_LT(((yd - ref).abs().max() / ref.abs().max()).item<double>(),
+                precision == nn::Precision::kFloat32 ? 1e-5 : 3e-2)
+          << n << " " << nn::precision_name(precision);
+    }
   }
 }
 
@@ -233,6 +279,46 @@ TEST(Gemm, EqualsMatmulForEveryLayout) {
     nn::batched_gemm_into(bout, ba, bb);
     EXPECT_LT(max_abs_diff(bout, torch::bmm(ba, bb)), tol);
   }
+}
+
+// bf16 operands: exact products summed in fp32 (out fp32: fp32 rounding of the float64 product of the
+// same rounded operands; out bf16: one more rounding), every layout, alpha and beta, strided and batched.
+TEST(Gemm, Bf16OperandsSumInFp32) {
+  torch::manual_seed(11);
+  const auto bf = [](const torch::Tensor& t) { return t.to(torch::kBFloat16); };
+  const auto f64 = [](const torch::Tensor& t) { return t.to(torch::kDouble); };
+  const auto relative = [&](const torch::Tensor& a, const torch::Tensor& r) {
+    return ((f64(a) - r).abs().max() / r.abs().max()).item<double>();
+  };
+  const auto a = bf(torch::randn({9, 70})), b = bf(torch::randn({70, 6}));
+  const auto at_ = bf(torch::randn({70, 9})).t(), bt = bf(torch::randn({6, 70})).t();  // column-major
+  for (const auto& [x, y] : std::vector<std::pair<torch::Tensor, torch::Tensor>>{{a, b}, {at_, b}, {a, bt}, {at_, bt}}) {
+    const auto ref = torch::mm(f64(x), f64(y));
+    auto out = torch::full({9, 6}, std::numeric_limits<float>::quiet_NaN());
+    nn::gemm_into(out, x, y);  // beta 0 ignores the NaNs
+    EXPECT_LT(relative(out, ref), 1e-6);
+    const auto before = f64(out);
+    nn::gemm_into(out, x, y, -2.0, 0.5);
+    EXPECT_LT(relative(out, 0.5 * before - 2.0 * ref), 1e-6);
+    auto out_bf16 = torch::empty({9, 6}, torch::kBFloat16);
+    nn::gemm_into(out_bf16, x, y);
+    EXPECT_LT(relative(out_bf16, ref), 1e-2);
+  }
+  // Into a strided view, the other columns untouched; batched with a transposed right operand.
+  auto wide = torch::zeros({9, 10});
+  auto view = wide.narrow(1, 3, 6);
+  nn::gemm_into(view, a, b);
+  EXPECT_LT(relative(wide.narrow(1, 3, 6), torch::mm(f64(a), f64(b))), 1e-6);
+  EXPECT_EQ(wide.narrow(1, 0, 3).abs().sum().item<double>(), 0.0);
+  const auto ba = bf(torch::randn({3, 5, 40})), bb = bf(torch::randn({3, 4, 40})).transpose(1, 2);
+  auto bout = torch::empty({3, 5, 4});
+  nn::batched_gemm_into(bout, ba, bb, 1.5);
+  EXPECT_LT(relative(bout, 1.5 * torch::bmm(f64(ba), f64(bb))), 1e-6);
+  // bf16 operands need a bf16 partner and a bf16 or fp32 out.
+  auto out32 = torch::empty({9, 6});
+  EXPECT_THROW(nn::gemm_into(out32, a, b.to(torch::kFloat)), c10::Error);
+  auto out64 = torch::empty({9, 6}, torch::kDouble);
+  EXPECT_THROW(nn::gemm_into(out64, a, b), c10::Error);
 }
 
 TEST(Gemm, RefusesShapesThatDoNotChain) {

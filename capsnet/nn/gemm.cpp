@@ -1,6 +1,12 @@
 #include "capsnet/nn/gemm.h"
 
 #include <oneapi/dnnl/dnnl.h>
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
 
 namespace capsnet::nn {
 namespace {
@@ -36,6 +42,68 @@ bool sgemm(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, d
   return true;
 }
 
+// bf16 operands: oneDNN's matmul primitive (bf16 x bf16, fp32 accumulation, out fp32 or bf16), any strides,
+// a leading batch axis or none. A primitive is built per shape, strides, dtypes, alpha and beta (0.05-2 ms)
+// and kept: the spectral convolution asks for the same few dozen every step.
+dnnl::memory::desc matmul_operand(const torch::Tensor& t) {
+  const dnnl::memory::dims dims(t.sizes().begin(), t.sizes().end()), strides(t.strides().begin(), t.strides().end());
+  return {dims, t.scalar_type() == torch::kBFloat16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32,
+          strides};
+}
+
+const dnnl::engine& cpu_engine() {
+  static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+const dnnl::matmul& bf16_matmul_primitive(const torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b,
+                                          float alpha, float beta) {
+  std::vector<int64_t> key{out.scalar_type() == torch::kBFloat16, static_cast<int64_t>(out.dim())};
+  for (const auto* t : {&out, &a, &b}) {
+    key.insert(key.end(), t->sizes().begin(), t->sizes().end());
+    key.insert(key.end(), t->strides().begin(), t->strides().end());
+  }
+  for (const float f : {alpha, beta}) {
+    int32_t bits = 0;
+    std::memcpy(&bits, &f, sizeof bits);
+    key.push_back(bits);
+  }
+  static std::mutex mutex;
+  static std::map<std::vector<int64_t>, dnnl::matmul> primitives;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = primitives.find(key);
+  if (found != primitives.end()) return found->second;
+  dnnl::primitive_attr attr;
+  if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
+  if (beta != 0.0f) {
+    dnnl::post_ops sum;
+    sum.append_sum(beta);
+    attr.set_post_ops(sum);
+  }
+  const dnnl::matmul::primitive_desc pd(
+      dnnl::matmul::desc(matmul_operand(a), matmul_operand(b), matmul_operand(out)), attr, cpu_engine());
+  return primitives.emplace(std::move(key), dnnl::matmul(pd)).first->second;
+}
+
+void bf16_matmul(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, double alpha, double beta) {
+  if (out.numel() == 0) return;
+  if (a.size(-1) == 0) {
+    out.mul_(beta);
+    return;
+  }
+  const auto& primitive = bf16_matmul_primitive(out, a, b, static_cast<float>(alpha), static_cast<float>(beta));
+  const auto& engine = cpu_engine();
+  dnnl::stream stream(engine);
+  primitive.execute(stream, {{DNNL_ARG_SRC, dnnl::memory(matmul_operand(a), engine, a.data_ptr())},
+                             {DNNL_ARG_WEIGHTS, dnnl::memory(matmul_operand(b), engine, b.data_ptr())},
+                             {DNNL_ARG_DST, dnnl::memory(matmul_operand(out), engine, out.data_ptr())}});
+  stream.wait();
+}
+
+bool is_bf16_product(const torch::Tensor& a) {
+  return a.scalar_type() == torch::kBFloat16 && a.device().is_cpu();
+}
+
 void check_shapes(const char* who, const torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b,
                   int64_t dims) {
   TORCH_CHECK(a.dim() == dims && b.dim() == dims && out.dim() == dims, who, ": expected ", dims,
@@ -44,8 +112,11 @@ void check_shapes(const char* who, const torch::Tensor& out, const torch::Tensor
   TORCH_CHECK(a.size(m + 1) == b.size(m) && out.size(m) == a.size(m) && out.size(m + 1) == b.size(m + 1) &&
                   (dims == 2 || (a.size(0) == b.size(0) && out.size(0) == a.size(0))),
               who, ": shapes do not chain: a ", a.sizes(), ", b ", b.sizes(), ", out ", out.sizes());
-  TORCH_CHECK(a.scalar_type() == out.scalar_type() && b.scalar_type() == out.scalar_type(), who,
-              ": operands must share one dtype");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() &&
+                  (a.scalar_type() == out.scalar_type() ||
+                   (a.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kFloat)),
+              who, ": a and b must share one dtype, and out have it too (or float32 for bfloat16 operands); got ",
+              a.scalar_type(), ", ", b.scalar_type(), ", ", out.scalar_type());
 }
 
 void aten_gemm(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, double alpha, double beta) {
@@ -64,12 +135,14 @@ void product_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tenso
 
 void gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, double alpha, double beta) {
   check_shapes("gemm_into", out, a, b, 2);
+  if (is_bf16_product(a)) return bf16_matmul(out, a, b, alpha, beta);
   product_into(out, a, b, alpha, beta);
 }
 
 void batched_gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, double alpha,
                        double beta) {
   check_shapes("batched_gemm_into", out, a, b, 3);
+  if (is_bf16_product(a)) return bf16_matmul(out, a, b, alpha, beta);
   // oneDNN threads each product itself (measured as fast as one thread per product: docs/kernels.md).
   if (out.scalar_type() == torch::kFloat && out.device().is_cpu()) {
     for (int64_t f = 0; f < out.size(0); ++f) {

@@ -81,10 +81,10 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Prec
                         BlockedConvWeights* blocked) {
   const auto dtype = compute_dtype(precision);
   const auto& o = conv->options;
-  // PrimaryCaps-like convolutions in fp32 through DFTs (fewer multiply-adds). fp32 only: in bf16, oneDNN's
-  // bf16 kernels are as fast as the fp32 spectral form at 0.5 x its peak memory (docs/kernels.md,
-  // "Spectral convolution").
-  const bool spectral = precision == Precision::kFloat32 && x_in.dim() == 4 && x_in.device().is_cpu() &&
+  // PrimaryCaps-like convolutions through DFTs (5x fewer multiply-adds), in bf16 with spectra and products
+  // in bf16 and fp32 sums (docs/kernels.md, "Spectral convolution").
+  const bool spectral = x_in.dim() == 4 && x_in.device().is_cpu() &&
+                        (precision == Precision::kFloat32 || conv->weight.scalar_type() == torch::kFloat) &&
                         use_spectral_conv(o, x_in.size(-2), x_in.size(-1)) &&
                         (torch::GradMode::is_enabled() || x_in.size(0) >= kSpectralInferenceMinBatch);
   if (!spectral && blocked && BlockedConvWeights::usable(conv, x_in, dtype)) return blocked->forward(conv, x_in, dtype);
@@ -93,7 +93,10 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Prec
   // are dropped here and the next inference call reorders afresh (as it must after any step anyway).
   if (blocked && torch::GradMode::is_enabled()) *blocked = BlockedConvWeights();
   const auto x = x_in.is_mkldnn() ? x_in.to_dense() : x_in;
-  if (spectral) return conv2d_spectral(x, conv->weight, conv->bias, {o.stride()->at(0), o.stride()->at(1)});
+  // bf16: x in bf16, the fp32 weight and bias as they are (their gradients come back in fp32).
+  if (spectral)
+    return conv2d_spectral(precision == Precision::kFloat32 ? x : x.to(dtype), conv->weight, conv->bias,
+                           {o.stride()->at(0), o.stride()->at(1)});
   // Many input channels and a small output: oneDNN's bf16 weight gradient is ~2x slower than the same
   // FLOPs as a forward convolution, and its backward-data kernel for a strided one 1.55x (bf16) / 1.3x
   // (fp32) slower than forward convolutions by stride phase (measured, docs/kernels.md), so those

@@ -86,6 +86,44 @@ torch::Tensor first_axis_spectrum(const torch::Tensor& a, int64_t n, int64_t ste
   return spec;
 }
 
+// The 2-D DFT of K0 x K1 samples (step 1) for the frequency columns k1 in [k_begin, k_begin + count): rows
+// (part, k0, k1), columns (r, s); part 0 = cos, 1 = -sin of 2 pi (k0 r / n0 + k1 s / n1).
+torch::Tensor kernel_dft_matrix(std::array<int64_t, 2> n, std::array<int64_t, 2> kernel, int64_t k_begin,
+                                int64_t count, const torch::TensorOptions& o) {
+  const auto a0 = dft_angles(n[0], kernel[0], 1, n[0]);                                   // [n0, K0]
+  const auto a1 = dft_angles(k_begin + count, kernel[1], 1, n[1]).narrow(0, k_begin, count);  // [count, K1]
+  const auto a = (a0.view({n[0], 1, kernel[0], 1}) + a1.view({1, count, 1, kernel[1]}))
+                     .reshape({n[0] * count, kernel[0] * kernel[1]});
+  return torch::cat({torch::cos(a), -torch::sin(a)}, 0).to(o);  // [2 n0 count, K0 K1]
+}
+
+// A kernel's spectrum on the n0 x n1 circle, a chunk of frequency columns at a time, as
+// [2, n0 count, P, Q] (frequencies (k0, k1)). planes: [P, Q, K0, K1] contiguous. fp32 and fp64: the two
+// stages, the last axis's once for all chunks. bf16: one product per chunk with the 2-D DFT matrix
+// (K0 K1 terms: 3.6x the multiply-adds for PrimaryCaps' 9 x 9, but a shape bf16 GEMMs run well, measured
+// 5.7 against 10 ms per pass, and no last-axis stage to hold: 24 MB).
+class KernelSpectrum {
+ public:
+  KernelSpectrum(torch::Tensor planes, std::array<int64_t, 2> n)
+      : planes_(std::move(planes)), n_(n), kernel_{planes_.size(2), planes_.size(3)} {
+    if (planes_.scalar_type() != torch::kBFloat16) last_axis_ = last_axis_spectrum(planes_, n[1], 1, kernel_);
+  }
+
+  torch::Tensor columns(int64_t k_begin, int64_t count) const {
+    const int64_t P = planes_.size(0), Q = planes_.size(1);
+    if (last_axis_.defined()) return first_axis_spectrum(last_axis_, n_[0], 1, k_begin, count, P, Q);
+    auto spec = torch::empty({2, n_[0] * count, P, Q}, planes_.options());
+    auto spec2d = spec.view({2 * n_[0] * count, P * Q});
+    gemm_into(spec2d, kernel_dft_matrix(n_, kernel_, k_begin, count, planes_.options()),
+              planes_.view({P * Q, kernel_[0] * kernel_[1]}).t());
+    return spec;
+  }
+
+ private:
+  torch::Tensor planes_, last_axis_;  // last_axis_: [K0, 2 (n1 / 2 + 1), P Q] (fp32, fp64)
+  std::array<int64_t, 2> n_, kernel_;
+};
+
 // The frequency columns k1 in [k_begin, k_begin + count) of a whole spectrum [2, n0 K, P, Q], as a view
 // [2, n0, count, P, Q] (not copied).
 torch::Tensor spectrum_columns(const torch::Tensor& spec, int64_t n0, int64_t k_begin, int64_t count) {
@@ -111,16 +149,21 @@ void first_axis_inverse_into(torch::Tensor& u, const torch::Tensor& spec, int64_
 
 // The inverse's last stage, straight into out's rows: out[:, :, i, :count1] = u_re[i]^T iw_re + u_im[i]^T iw_im.
 // u: [2 count0, K PQ]; out: [P, Q, >= count0, >= count1] contiguous.
+// An out of another dtype than u (bf16 for fp32 u) gets each row through an fp32 scratch row.
 void last_axis_inverse_into(torch::Tensor& out, const torch::Tensor& u, std::array<int64_t, 2> n, int64_t step,
                             std::array<int64_t, 2> count) {
   const int64_t PQ = out.size(0) * out.size(1), Ho = out.size(2), Wo = out.size(3), K = half_size(n[1]);
-  const auto iw = real_idft_matrices(n[0], n[1], step, count[1], out.options());  // each [K, count1]
+  const auto iw = real_idft_matrices(n[0], n[1], step, count[1], u.options());  // each [K, count1]
   const auto uv = u.view({2, count[0], K, PQ});
   const auto out2d = out.view({PQ, Ho * Wo});
+  const bool in_place = out.scalar_type() == u.scalar_type();
+  auto scratch = in_place ? torch::Tensor() : torch::empty({PQ, count[1]}, u.options());  // scratch: [PQ, count1]
   for (int64_t i = 0; i < count[0]; ++i) {
     auto dst = out2d.narrow(1, i * Wo, count[1]);
-    gemm_into(dst, uv[0][i].t(), iw[0]);
-    gemm_into(dst, uv[1][i].t(), iw[1], 1.0, 1.0);
+    auto& row = in_place ? dst : scratch;
+    gemm_into(row, uv[0][i].t(), iw[0]);
+    gemm_into(row, uv[1][i].t(), iw[1], 1.0, 1.0);
+    if (!in_place) dst.copy_(scratch);
   }
 }
 
@@ -200,9 +243,11 @@ SpectralGeometry spectral_geometry(const torch::Tensor& x, const torch::Tensor& 
   TORCH_CHECK(stride[0] >= 1 && stride[1] >= 1, "conv2d_spectral: stride must be positive");
   TORCH_CHECK(x.size(2) >= w.size(2) && x.size(3) >= w.size(3), "conv2d_spectral: the kernel ", w.sizes(),
               " is larger than the input ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
-                  (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble),
-              "conv2d_spectral: x and w must both be float32 or float64");
+  const auto xt = x.scalar_type(), wt = w.scalar_type();
+  TORCH_CHECK((xt == wt && (xt == torch::kFloat || xt == torch::kDouble)) ||
+                  (xt == torch::kBFloat16 && wt == torch::kFloat),
+              "conv2d_spectral: x and w must both be float32 or float64, or x bfloat16 and w float32; got ", xt,
+              " and ", wt);
   SpectralGeometry g{stride, {w.size(2), w.size(3)}, {}, {}};
   for (int d = 0; d < 2; ++d) {
     g.output[d] = (x.size(2 + d) - g.kernel[d]) / stride[d] + 1;
@@ -222,25 +267,30 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     const auto x = x_in.contiguous(), w = w_in.contiguous();
     const auto g = spectral_geometry(x, w, stride);
     const int64_t N = x.size(0), C = x.size(1), O = w.size(0), n0 = g.circle[0], K = half_size(g.circle[1]);
+    // The spectra go into the products in x's dtype (bf16: bf16 transforms and products), the products'
+    // sums and everything after them in w's (fp32 accumulation, the inverse in fp32).
     const auto xs = real_spectrum(x, g.circle, {1, 1}, g.circle);  // xs: [2, F, N, C]
     // The spectrum of w^T's planes, [C, O] per frequency: the products' right operands untransposed.
-    const auto wta = last_axis_spectrum(w.transpose(0, 1).contiguous(), g.circle[1], 1, g.kernel);  // [K0, 2 K, C O]
+    // (one copy: transposed and cast in one pass)
+    const KernelSpectrum wt_spectrum(torch::empty({C, O, g.kernel[0], g.kernel[1]}, x.options()).copy_(w.transpose(0, 1)),
+                                     g.circle);
     const int64_t columns = columns_per_chunk(n0, O, C, w.element_size(), chunk_bytes);
     // The frequencies a chunk of columns k1 at a time: w's spectrum exists one chunk at a time, and each
     // chunk's inverse writes its own columns of u (the inverse's first stage) once.
-    auto u = torch::empty({2 * g.output[0], K * N * O}, x.options());
+    auto u = torch::empty({2 * g.output[0], K * N * O}, w.options());
     for (int64_t k1 = 0; k1 < K; k1 += columns) {
       const int64_t c = std::min(columns, K - k1);
-      const auto wts = first_axis_spectrum(wta, n0, 1, k1, c, C, O);  // wts: [2, n0 c, C, O]
+      const auto wts = wt_spectrum.columns(k1, c);  // wts: [2, n0 c, C, O]
       const auto xc = spectrum_columns(xs, n0, k1, c);                     // xc: [2, n0, c, N, C]
-      auto ys = torch::empty({2, n0 * c, N, O}, x.options());
+      auto ys = torch::empty({2, n0 * c, N, O}, w.options());
       auto ys_rows = by_rows(ys, n0);
       forward_products(ys_rows, xc, xc[0] + xc[1], by_rows(wts, n0));
       first_axis_inverse_into(u, ys, n0, g.stride[0], g.output[0], k1);
     }
-    auto y = torch::empty({N, O, g.output[0], g.output[1]}, x.options());
+    auto y = torch::empty({N, O, g.output[0], g.output[1]}, w.options());
     last_axis_inverse_into(y, u, g.circle, g.stride[1], g.output);
     if (b.defined()) y.add_(b.view({1, -1, 1, 1}));
+    if (x.scalar_type() != y.scalar_type()) y = y.to(x.scalar_type());
     // The backward needs x only through its spectrum (about x's size); w's is recomputed there.
     ctx->save_for_backward({xs, w});
     ctx->saved_data["stride"] = as_vector(stride);
@@ -262,43 +312,50 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     const std::array<int64_t, 2> circle{circle_size(kernel[0], output[0], stride[0]),
                                         circle_size(kernel[1], output[1], stride[1])};
     const int64_t n0 = circle[0], K = half_size(circle[1]);
+    // The spectra in x's dtype (saved xs), sums in w's (see forward).
+    const auto spectrum_dtype = xs.scalar_type();
+    const auto sums = w.options();
     const int64_t columns = columns_per_chunk(n0, O, C, w.element_size(), ctx->saved_data["chunk_bytes"].toInt());
     // dy sits at the strided positions of the full correlation's output.
-    const auto dz = real_spectrum(dy, circle, stride, output);  // dz: [2, F, N, O]
+    const auto dz = real_spectrum(dy.to(spectrum_dtype), circle, stride, output);  // dz: [2, F, N, O]
     torch::Tensor dx, dw, db;
-    // dx first: measured 20 MB lower peak than dW first (bench, batch 100).
-    if (ctx->needs_input_grad(0)) {
-      const auto wa = last_axis_spectrum(w, circle[1], 1, kernel);  // wa: [K0, 2 K, O C]
-      auto u = torch::empty({2 * n0, K * N * C}, dy.options());
+    const auto input_gradient = [&] {
+      const KernelSpectrum w_spectrum(w.to(spectrum_dtype), circle);
+      auto u = torch::empty({2 * n0, K * N * C}, sums);
       for (int64_t k1 = 0; k1 < K; k1 += columns) {
         const int64_t c = std::min(columns, K - k1);
-        const auto ws = first_axis_spectrum(wa, n0, 1, k1, c, O, C);  // ws: [2, n0 c, O, C]
+        const auto ws = w_spectrum.columns(k1, c);  // ws: [2, n0 c, O, C]
         const auto dzc = spectrum_columns(dz, n0, k1, c);
-        auto dxs = torch::empty({2, n0 * c, N, C}, dy.options());
+        auto dxs = torch::empty({2, n0 * c, N, C}, sums);
         auto dxs_rows = by_rows(dxs, n0);
         input_grad_products(dxs_rows, dzc, dzc[0] - dzc[1], by_rows(ws, n0));
         first_axis_inverse_into(u, dxs, n0, 1, n0, k1);
       }
-      dx = torch::empty({N, C, input_size[0], input_size[1]}, dy.options());
+      dx = torch::empty({N, C, input_size[0], input_size[1]}, xs.options());
       // Rows and columns past the circle were never read: zero gradient.
       dx.narrow(2, circle[0], input_size[0] - circle[0]).zero_();
       dx.narrow(3, circle[1], input_size[1] - circle[1]).zero_();
       last_axis_inverse_into(dx, u, circle, 1, circle);
-    }
-    if (ctx->needs_input_grad(1)) {
-      auto u = torch::empty({2 * kernel[0], K * O * C}, dy.options());
+    };
+    const auto weight_gradient = [&] {
+      auto u = torch::empty({2 * kernel[0], K * O * C}, sums);
       for (int64_t k1 = 0; k1 < K; k1 += columns) {
         const int64_t c = std::min(columns, K - k1);
         const auto dzc = spectrum_columns(dz, n0, k1, c), xc = spectrum_columns(xs, n0, k1, c);
-        auto dws = torch::empty({2, n0 * c, O, C}, dy.options());
+        auto dws = torch::empty({2, n0 * c, O, C}, sums);
         auto dws_rows = by_rows(dws, n0);
         weight_grad_products(dws_rows, dzc, dzc[0] + dzc[1], xc, xc[0] - xc[1]);
         first_axis_inverse_into(u, dws, n0, 1, kernel[0], k1);
       }
       dw = torch::empty(w.sizes(), w.options());
       last_axis_inverse_into(dw, u, circle, 1, kernel);
-    }
-    if (ctx->needs_input_grad(2)) db = dy.sum({0, 2, 3});
+    };
+    // The gradient computed first holds its result through the other's buffers. Measured (bench peak,
+    // batch 100): fp32 611 MB dx first against 639 dW first; bf16 521 against 509.
+    if (spectrum_dtype == torch::kBFloat16 && ctx->needs_input_grad(1)) weight_gradient();
+    if (ctx->needs_input_grad(0)) input_gradient();
+    if (spectrum_dtype != torch::kBFloat16 && ctx->needs_input_grad(1)) weight_gradient();
+    if (ctx->needs_input_grad(2)) db = dy.to(w.scalar_type()).sum({0, 2, 3});
     return {dx, dw, db, torch::Tensor(), torch::Tensor()};
   }
 };
