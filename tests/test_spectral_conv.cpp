@@ -292,7 +292,8 @@ TEST(Gemm, Bf16OperandsSumInFp32) {
   };
   const auto a = bf(torch::randn({9, 70})), b = bf(torch::randn({70, 6}));
   const auto at_ = bf(torch::randn({70, 9})).t(), bt = bf(torch::randn({6, 70})).t();  // column-major
-  for (const auto& [x, y] : std::vector<std::pair<torch::Tensor, torch::Tensor>>{{a, b}, {at_, b}, {a, bt}, {at_, bt}}) {
+  const std::vector<std::pair<torch::Tensor, torch::Tensor>> layouts{{a, b}, {at_, b}, {a, bt}, {at_, bt}};
+  for (const auto& [x, y] : layouts) {
     const auto ref = torch::mm(f64(x), f64(y));
     auto out = torch::full({9, 6}, std::numeric_limits<float>::quiet_NaN());
     nn::gemm_into(out, x, y);  // beta 0 ignores the NaNs

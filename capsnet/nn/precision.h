@@ -52,24 +52,27 @@ bool use_batch_swapped_weight_grad(const torch::nn::detail::ConvNdOptions<2>& op
 /// measured 1.55x (bf16) / 1.3x (fp32) faster than oneDNN's backward-data kernel there, docs/kernels.md).
 bool use_phase_input_grad(const torch::nn::detail::ConvNdOptions<2>& options, int64_t in_h, int64_t in_w);
 
-/// Whether conv2d_at's fp32 path runs `conv` on an in_h x in_w input through DFTs (nn/spectral_conv.h):
-/// the batch-swapped geometry (above) with zero padding, dilation 1 and a kernel large enough for
-/// spectral_conv_pays_off (PrimaryCaps: 5.1x fewer multiply-adds; measured ~2x faster per pass than
-/// oneDNN's fp32 kernels at batch 100, docs/kernels.md).
+/// Whether conv2d_at runs `conv` on an in_h x in_w input through DFTs (nn/spectral_conv.h), in either
+/// precision: the batch-swapped geometry (above) with zero padding, dilation 1 and a kernel large enough
+/// for spectral_conv_pays_off (PrimaryCaps: 5.1x fewer multiply-adds; measured ~2x faster per pass than
+/// oneDNN's fp32 kernels at batch 100, and in bf16 forward + backward 1.4-1.5x faster than oneDNN's bf16
+/// kernels, docs/kernels.md).
 bool use_spectral_conv(const torch::nn::detail::ConvNdOptions<2>& options, int64_t in_h, int64_t in_w);
 
 /// Inference (autograd off) takes the spectral form from this batch size on: it makes the weight's
-/// spectrum on every call (~15 ms for PrimaryCaps), which the blocked direct kernel (weights reordered
-/// once) beats below ~24 examples. Measured, PrimaryCaps fp32 forward: batch 16 23.7 vs 17.5 ms direct,
-/// 32 29.3 vs 36.7, 100 53.4 vs 120.7 (docs/kernels.md).
+/// spectrum on every call (~15 ms fp32, ~11 ms bf16 for PrimaryCaps), which the blocked direct kernel
+/// (weights reordered once) beats below it. Measured, PrimaryCaps forward: fp32 batch 16 23.7 vs 17.5 ms
+/// direct, 32 29.3 vs 36.7, 100 53.4 vs 120.7; bf16 16 14.7 vs 8.9, 32 18.2 vs 18.2, 100 31.8 vs 56.2
+/// (docs/kernels.md).
 constexpr int64_t kSpectralInferenceMinBatch = 32;
 
 /// conv(x) with input, weight and bias in the compute dtype (the output stays in it). Autograd
-/// returns fp32 gradients to the fp32 weights through the casts. In bf16, where
-/// use_batch_swapped_weight_grad says so, the weight gradient is computed batch-swapped; in either
-/// precision, where use_phase_input_grad says so, the input gradient by stride phases; in fp32 (the
-/// master dtype: float32 or float64), where use_spectral_conv says so, all three passes through DFTs
-/// (with autograd off, from kSpectralInferenceMinBatch examples on).
+/// returns fp32 gradients to the fp32 weights through the casts. Where use_spectral_conv says so, all
+/// three passes run through DFTs (with autograd off, from kSpectralInferenceMinBatch examples on): in
+/// fp32 in the master dtype (float32 or float64), in bf16 with a bf16 input and the fp32 master weight.
+/// Otherwise, in bf16, where use_batch_swapped_weight_grad says so, the weight gradient is computed
+/// batch-swapped; in either precision, where use_phase_input_grad says so, the input gradient by stride
+/// phases.
 /// Otherwise, with `blocked` and autograd off (BlockedConvWeights::usable), it runs on oneDNN's blocked tensors
 /// with weights reordered once, and returns a blocked tensor (is_mkldnn()): the caller calls
 /// to_dense() where it leaves its convolution stack. A blocked x is accepted either way.

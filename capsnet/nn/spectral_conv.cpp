@@ -270,10 +270,10 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     // The spectra go into the products in x's dtype (bf16: bf16 transforms and products), the products'
     // sums and everything after them in w's (fp32 accumulation, the inverse in fp32).
     const auto xs = real_spectrum(x, g.circle, {1, 1}, g.circle);  // xs: [2, F, N, C]
-    // The spectrum of w^T's planes, [C, O] per frequency: the products' right operands untransposed.
-    // (one copy: transposed and cast in one pass)
-    const KernelSpectrum wt_spectrum(torch::empty({C, O, g.kernel[0], g.kernel[1]}, x.options()).copy_(w.transpose(0, 1)),
-                                     g.circle);
+    // The spectrum of w^T's planes, [C, O] per frequency: the products' right operands untransposed
+    // (w^T made and cast in one copy).
+    auto wt = torch::empty({C, O, g.kernel[0], g.kernel[1]}, x.options());
+    const KernelSpectrum wt_spectrum(wt.copy_(w.transpose(0, 1)), g.circle);
     const int64_t columns = columns_per_chunk(n0, O, C, w.element_size(), chunk_bytes);
     // The frequencies a chunk of columns k1 at a time: w's spectrum exists one chunk at a time, and each
     // chunk's inverse writes its own columns of u (the inverse's first stage) once.

@@ -12,14 +12,19 @@
 //   dX[f] = sum_o dZ[f, o] W[f, o, c]                dW[f] = sum_n conj(dZ[n, f, o]) X[n, f, c]
 //
 // Each is one complex product per frequency f (Nh x (Nw/2 + 1) of them, real inputs), done with three
-// real products (Gauss) by oneDNN's sgemm in fp32 (nn/gemm.h). Why: PrimaryCaps (256 -> 256, 9 x 9,
-// stride 2, 20 x 20 -> 6 x 6) costs 81 x 36 = 2916 multiply-adds per (example, in, out) channel directly,
-// 3 x 19 x 10 = 570 this way: at batch 100 its fp32 forward took 82-100 ms against 148-164 ms in oneDNN's
-// direct kernels, both gradients 126-141 ms against ~300; with the frequencies in chunks of columns,
-// forward + backward 154-157 ms against 183-187 before (docs/kernels.md, "Spectral convolution").
+// real products (Gauss) by oneDNN's sgemm in fp32 (nn/gemm.h). With a bf16 input (and the fp32 master
+// weight) the spectra and the products' operands are bf16 (oneDNN's matmul, sums in fp32), everything
+// after the products fp32: y and dx come back in bf16, dW and db in fp32 (no bf16 weight gradient).
+// Why: PrimaryCaps (256 -> 256, 9 x 9, stride 2, 20 x 20 -> 6 x 6) costs 81 x 36 = 2916 multiply-adds
+// per (example, in, out) channel directly, 3 x 19 x 10 = 570 this way: at batch 100 its fp32 forward
+// took 82-100 ms against 148-164 ms in oneDNN's direct kernels, both gradients 126-141 ms against ~300;
+// with the frequencies in chunks of columns, forward + backward 154-157 ms against 183-187 before; in
+// bf16 97-106 ms, against 144-159 in fp32 and ~144 for oneDNN's bf16 kernels (docs/kernels.md,
+// "Spectral convolution").
 // The DFTs are matrix products too (the sizes are small and not powers of two, where PyTorch 1.13's
 // pocketfft was measured 0.2 s for the input's rfft2 alone). Rounding: the transforms are orthogonal up
-// to scale, so fp32 errors stay ~1e-6 of the output's norm (tests/test_spectral_conv.cpp).
+// to scale, so fp32 errors stay ~1e-6 of the output's norm; bf16's 3-6e-3 of the largest entry, against
+// ~2.5e-3 for oneDNN's direct bf16 convolution (tests/test_spectral_conv.cpp).
 
 #include <torch/torch.h>
 
@@ -38,7 +43,9 @@ bool spectral_conv_pays_off(std::array<int64_t, 2> kernel, std::array<int64_t, 2
 constexpr int64_t kSpectralChunkBytes = int64_t{24} << 20;
 
 /// y = conv2d(x, w, b, stride) through DFTs, differentiable in x, w and b (b may be undefined).
-/// x: [N, C, H, W]; w: [O, C, K0, K1]; b: [O]; float32 or float64, CPU. Returns y: [N, O, P, Q].
+/// x: [N, C, H, W]; w: [O, C, K0, K1]; b: [O]; CPU; x, w and b float32 or float64, or x bfloat16 with w
+/// and b float32 (bf16 spectra and products, fp32 sums). Returns y: [N, O, P, Q] in x's dtype; the
+/// gradients come back in their input's dtype.
 /// chunk_bytes: at most this many bytes of w's spectrum at a time (at least one column of frequencies).
 torch::Tensor conv2d_spectral(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
                               std::array<int64_t, 2> stride, int64_t chunk_bytes = kSpectralChunkBytes);
