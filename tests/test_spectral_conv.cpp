@@ -259,14 +259,80 @@ TEST(SpectralConv, InferenceTakesItFromTheMinimumBatch) {
       const bool spectral = n >= nn::kSpectralInferenceMinBatch;
       ASSERT_EQ(y.is_mkldnn(), !spectral) << n << " " << nn::precision_name(precision);
       EXPECT_EQ(blocked.reorders(), spectral ? 0 : 1) << n;
+      EXPECT_EQ(blocked.spectra(), spectral ? 1 : 0) << n;  // the weight's spectrum, kept
       if (spectral)
-        EXPECT_TRUE(torch::equal(y, nn::conv2d_spectral(x.to(dtype), conv->weight, conv->bias, {2, 2})));
+        EXPECT_TRUE(torch::equal(y, nn::conv2d_spectral_inference(x.to(dtype), blocked.spectrum(conv, dtype, {20, 20}),
+                                                                  conv->bias, {9, 9}, {2, 2})));
       const auto ref = conv->forward(x);
       const auto yd = (y.is_mkldnn() ? y.to_dense() : y).to(torch::kFloat);
       EXPECT_LT(((yd - ref).abs().max() / ref.abs().max()).item<double>(),
                 precision == nn::Precision::kFloat32 ? 1e-5 : 3e-2)
           << n << " " << nn::precision_name(precision);
     }
+  }
+}
+
+// The forward from a kept weight spectrum equals conv2d_spectral's (fp32 and fp64: to rounding; bf16:
+// within bf16 rounding of float64), for every geometry.
+TEST(SpectralConv, InferenceFromAKeptSpectrumEqualsTheForward) {
+  torch::manual_seed(13);
+  torch::NoGradGuard no_grad;
+  std::vector<torch::ScalarType> dtypes{torch::kDouble, torch::kFloat};
+  if (nn::cpu_has_native_bf16()) dtypes.push_back(torch::kBFloat16);
+  for (const auto dtype : dtypes) {
+    const auto master = dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
+    for (const auto& t : cases()) {
+      const auto x = torch::randn({t.n, t.c, t.h, t.w}, master).to(dtype);
+      const auto w = torch::randn({t.o, t.c, t.k0, t.k1}, master), b = torch::randn({t.o}, master);
+      const auto spectrum = nn::conv2d_spectral_weight_spectrum(w, {t.h, t.w}, {t.s0, t.s1}, dtype);
+      const auto y = nn::conv2d_spectral_inference(x, spectrum, b, {t.k0, t.k1}, {t.s0, t.s1});
+      ASSERT_EQ(y.scalar_type(), dtype) << name(t);
+      const auto forward = nn::conv2d_spectral(x, w, b, {t.s0, t.s1});
+      const auto ref = at::conv2d(x.to(torch::kDouble), w.to(dtype).to(torch::kDouble), b.to(torch::kDouble),
+                                  {t.s0, t.s1});
+      const double scale = ref.abs().max().item<double>();
+      if (dtype == torch::kBFloat16) {
+        EXPECT_LT(max_abs_diff(y.to(torch::kDouble), ref) / scale, 1e-2) << name(t);
+      } else {
+        EXPECT_LT(max_abs_diff(y, forward) / scale, dtype == torch::kDouble ? 1e-13 : 1e-6) << name(t);
+      }
+    }
+  }
+}
+
+TEST(SpectralConv, InferenceRefusesAMismatchedSpectrum) {
+  const auto w = torch::randn({4, 3, 5, 5});
+  const auto spectrum = nn::conv2d_spectral_weight_spectrum(w, {13, 13}, {2, 2}, torch::kFloat);
+  torch::NoGradGuard no_grad;
+  EXPECT_NO_THROW(nn::conv2d_spectral_inference(torch::randn({2, 3, 13, 13}), spectrum, {}, {5, 5}, {2, 2}));
+  EXPECT_THROW(nn::conv2d_spectral_inference(torch::randn({2, 3, 15, 15}), spectrum, {}, {5, 5}, {2, 2}),
+               c10::Error);  // made for another input size
+  EXPECT_THROW(nn::conv2d_spectral_inference(torch::randn({2, 4, 13, 13}), spectrum, {}, {5, 5}, {2, 2}),
+               c10::Error);  // channels
+  EXPECT_THROW(nn::conv2d_spectral_inference(torch::randn({2, 3, 13, 13}, torch::kDouble), spectrum, {}, {5, 5},
+                                             {2, 2}),
+               c10::Error);  // dtype
+}
+
+// BlockedConvWeights keeps the spectrum across calls and makes it again after the weight changes (an
+// optimizer step bumps its version) or for another dtype.
+TEST(SpectralConv, TheKeptSpectrumFollowsTheWeight) {
+  torch::manual_seed(14);
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(32, 8, 9).stride(2));
+  nn::BlockedConvWeights blocked;
+  torch::NoGradGuard no_grad;
+  const auto x = torch::rand({nn::kSpectralInferenceMinBatch, 32, 20, 20});
+  nn::conv2d_at(conv, x, nn::Precision::kFloat32, &blocked);
+  nn::conv2d_at(conv, x, nn::Precision::kFloat32, &blocked);
+  EXPECT_EQ(blocked.spectra(), 1);
+  conv->weight.mul_(-1.0);  // in place: a new version
+  const auto y = nn::conv2d_at(conv, x, nn::Precision::kFloat32, &blocked);
+  EXPECT_EQ(blocked.spectra(), 2);
+  const auto ref = conv->forward(x);
+  EXPECT_LT((y - ref).abs().max().item<double>() / ref.abs().max().item<double>(), 1e-5);
+  if (nn::cpu_has_native_bf16()) {
+    nn::conv2d_at(conv, x, nn::Precision::kBFloat16, &blocked);
+    EXPECT_EQ(blocked.spectra(), 3);
   }
 }
 

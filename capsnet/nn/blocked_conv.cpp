@@ -1,6 +1,7 @@
 #include "capsnet/nn/blocked_conv.h"
 
 #include "capsnet/nn/precision.h"
+#include "capsnet/nn/spectral_conv.h"
 
 #include <variant>
 
@@ -17,6 +18,9 @@ BlockedConvWeights& BlockedConvWeights::operator=(const BlockedConvWeights&) {
   weight_data_ = nullptr;
   weight_version_ = bias_version_ = -1;
   weight_ = bias_ = torch::Tensor();
+  spectrum_weight_data_ = nullptr;
+  spectrum_weight_version_ = -1;
+  spectrum_ = torch::Tensor();
   return *this;
 }
 
@@ -62,6 +66,30 @@ torch::Tensor BlockedConvWeights::forward(const torch::nn::Conv2d& conv, const t
   const auto xb = x.is_mkldnn() ? (x.scalar_type() == dtype ? x : x.to_dense().to(dtype).to_mkldnn())
                                 : x.to(dtype).contiguous().to_mkldnn();
   return at::mkldnn_convolution(xb, weight, bias, padding, stride, dilation, o.groups());
+}
+
+torch::Tensor BlockedConvWeights::spectrum(const torch::nn::Conv2d& conv, torch::ScalarType dtype,
+                                           std::array<int64_t, 2> input_size) {
+  const auto& w = conv->weight;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!spectrum_.defined() || spectrum_weight_data_ != w.data_ptr() || spectrum_weight_version_ != w._version() ||
+      spectrum_dtype_ != dtype || spectrum_input_size_ != input_size) {
+    spectrum_ = torch::Tensor();  // the old one goes before the new one is made
+    const torch::NoGradGuard no_grad;
+    spectrum_ = conv2d_spectral_weight_spectrum(
+        w, input_size, {conv->options.stride()->at(0), conv->options.stride()->at(1)}, dtype);
+    spectrum_weight_data_ = w.data_ptr();
+    spectrum_weight_version_ = w._version();
+    spectrum_dtype_ = dtype;
+    spectrum_input_size_ = input_size;
+    ++spectra_;
+  }
+  return spectrum_;
+}
+
+int64_t BlockedConvWeights::spectra() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return spectra_;
 }
 
 int64_t BlockedConvWeights::reorders() const {

@@ -9,10 +9,12 @@
 // convolution's blocked output feeds the next convolution (Conv1 -> ReLU -> PrimaryCaps) directly.
 // Training keeps the plain path: autograd has no formulas for blocked tensors in LibTorch 1.13.
 // Cost: one blocked copy of each convolution's weights stays with its module once it has inferred
-// (PrimaryCaps: 21 MB in fp32, 10.6 MB in bf16).
+// (PrimaryCaps: 21 MB in fp32, 10.6 MB in bf16); where inference runs PrimaryCaps through DFTs (batches
+// from kSpectralInferenceMinBatch on), its weight spectrum instead (100 MB fp32, 50 MB bf16).
 
 #include <torch/torch.h>
 
+#include <array>
 #include <mutex>
 
 namespace capsnet::nn {
@@ -38,6 +40,14 @@ class BlockedConvWeights {
   /// How many times the weights were reordered (tests: once per weight update, not per call).
   int64_t reorders() const;
 
+  /// The spectral form's counterpart (nn/spectral_conv.h): w^T's spectrum for conv2d_spectral_inference on
+  /// an input of `input_size` in `dtype`, made once and kept while the master weight is unchanged (the
+  /// same rule as the blocked weights, and dropped with them). PrimaryCaps: 100 MB fp32, 50 MB bf16.
+  torch::Tensor spectrum(const torch::nn::Conv2d& conv, torch::ScalarType dtype, std::array<int64_t, 2> input_size);
+
+  /// How many times the spectrum was made (tests).
+  int64_t spectra() const;
+
  private:
   mutable std::mutex mutex_;
   const void* weight_data_ = nullptr;  // the master weight's storage and version the cache was made from
@@ -46,6 +56,13 @@ class BlockedConvWeights {
   torch::ScalarType dtype_ = torch::kFloat32;
   torch::Tensor weight_, bias_;  // blocked weight [O, C, K, K] and blocked bias [O] (or undefined)
   int64_t reorders_ = 0;
+  // The kept spectrum ([2, F, C, O]) and what it was made from.
+  const void* spectrum_weight_data_ = nullptr;
+  int64_t spectrum_weight_version_ = -1;
+  torch::ScalarType spectrum_dtype_ = torch::kFloat32;
+  std::array<int64_t, 2> spectrum_input_size_{0, 0};
+  torch::Tensor spectrum_;
+  int64_t spectra_ = 0;
 };
 
 }  // namespace capsnet::nn

@@ -94,9 +94,15 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Prec
   if (blocked && torch::GradMode::is_enabled()) *blocked = BlockedConvWeights();
   const auto x = x_in.is_mkldnn() ? x_in.to_dense() : x_in;
   // bf16: x in bf16, the fp32 weight and bias as they are (their gradients come back in fp32).
-  if (spectral)
-    return conv2d_spectral(precision == Precision::kFloat32 ? x : x.to(dtype), conv->weight, conv->bias,
-                           {o.stride()->at(0), o.stride()->at(1)});
+  if (spectral) {
+    const auto xs = precision == Precision::kFloat32 ? x : x.to(dtype);
+    const std::array<int64_t, 2> stride{o.stride()->at(0), o.stride()->at(1)};
+    // Inference with a cache to keep it in: the weight's spectrum is made once per weight update.
+    if (blocked && !torch::GradMode::is_enabled())
+      return conv2d_spectral_inference(xs, blocked->spectrum(conv, xs.scalar_type(), {x.size(2), x.size(3)}),
+                                       conv->bias, {o.kernel_size()->at(0), o.kernel_size()->at(1)}, stride);
+    return conv2d_spectral(xs, conv->weight, conv->bias, stride);
+  }
   // Many input channels and a small output: oneDNN's bf16 weight gradient is ~2x slower than the same
   // FLOPs as a forward convolution, and its backward-data kernel for a strided one 1.55x (bf16) / 1.3x
   // (fp32) slower than forward convolutions by stride phase (measured, docs/kernels.md), so those

@@ -236,6 +236,16 @@ struct SpectralGeometry {
   std::array<int64_t, 2> stride, kernel, output, circle;  // circle: the DFT sizes Nh, Nw
 };
 
+SpectralGeometry geometry_for(std::array<int64_t, 2> input, std::array<int64_t, 2> kernel,
+                              std::array<int64_t, 2> stride) {
+  SpectralGeometry g{stride, kernel, {}, {}};
+  for (int d = 0; d < 2; ++d) {
+    g.output[d] = (input[d] - kernel[d]) / stride[d] + 1;
+    g.circle[d] = circle_size(kernel[d], g.output[d], stride[d]);
+  }
+  return g;
+}
+
 SpectralGeometry spectral_geometry(const torch::Tensor& x, const torch::Tensor& w, std::array<int64_t, 2> stride) {
   TORCH_CHECK(x.dim() == 4 && w.dim() == 4 && x.size(1) == w.size(1),
               "conv2d_spectral: x [N, C, H, W] and w [O, C, K0, K1] must share C, got ", x.sizes(), " and ",
@@ -248,12 +258,33 @@ SpectralGeometry spectral_geometry(const torch::Tensor& x, const torch::Tensor& 
                   (xt == torch::kBFloat16 && wt == torch::kFloat),
               "conv2d_spectral: x and w must both be float32 or float64, or x bfloat16 and w float32; got ", xt,
               " and ", wt);
-  SpectralGeometry g{stride, {w.size(2), w.size(3)}, {}, {}};
-  for (int d = 0; d < 2; ++d) {
-    g.output[d] = (x.size(2 + d) - g.kernel[d]) / stride[d] + 1;
-    g.circle[d] = circle_size(g.kernel[d], g.output[d], stride[d]);
+  return geometry_for({x.size(2), x.size(3)}, {w.size(2), w.size(3)}, stride);
+}
+
+// y = the forward through DFTs (conv2d_spectral's) from x's spectrum xs ([2, F, N, C], real_spectrum of x
+// on the circle) and w^T's, a chunk of `columns` frequency columns at a time from weight_columns(k1, c):
+// [2, n0, c, C, O] in xs's dtype. The products' sums and everything after them in `sums` (fp32
+// accumulation, the inverse in fp32); y: [N, O, P, Q] in xs's dtype; b: [O] or undefined.
+template <class WeightColumns>
+torch::Tensor spectral_forward(const torch::Tensor& xs, const torch::Tensor& b, const SpectralGeometry& g, int64_t O,
+                               int64_t columns, const torch::TensorOptions& sums, WeightColumns weight_columns) {
+  const int64_t N = xs.size(2), n0 = g.circle[0], K = half_size(g.circle[1]);
+  // The frequencies a chunk of columns k1 at a time: w's spectrum exists one chunk at a time, and each
+  // chunk's inverse writes its own columns of u (the inverse's first stage) once.
+  auto u = torch::empty({2 * g.output[0], K * N * O}, sums);
+  for (int64_t k1 = 0; k1 < K; k1 += columns) {
+    const int64_t c = std::min(columns, K - k1);
+    const auto wts = weight_columns(k1, c);             // wts: [2, n0, c, C, O]
+    const auto xc = spectrum_columns(xs, n0, k1, c);   // xc: [2, n0, c, N, C]
+    auto ys = torch::empty({2, n0 * c, N, O}, sums);
+    auto ys_rows = by_rows(ys, n0);
+    forward_products(ys_rows, xc, xc[0] + xc[1], wts);
+    first_axis_inverse_into(u, ys, n0, g.stride[0], g.output[0], k1);
   }
-  return g;
+  auto y = torch::empty({N, O, g.output[0], g.output[1]}, sums);
+  last_axis_inverse_into(y, u, g.circle, g.stride[1], g.output);
+  if (b.defined()) y.add_(b.view({1, -1, 1, 1}).to(y.scalar_type()));
+  return xs.scalar_type() == y.scalar_type() ? y : y.to(xs.scalar_type());
 }
 
 using detail::as_array;
@@ -266,31 +297,16 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
                                int64_t chunk_bytes) {
     const auto x = x_in.contiguous(), w = w_in.contiguous();
     const auto g = spectral_geometry(x, w, stride);
-    const int64_t N = x.size(0), C = x.size(1), O = w.size(0), n0 = g.circle[0], K = half_size(g.circle[1]);
-    // The spectra go into the products in x's dtype (bf16: bf16 transforms and products), the products'
-    // sums and everything after them in w's (fp32 accumulation, the inverse in fp32).
+    const int64_t C = x.size(1), O = w.size(0);
+    // x's spectrum first: its last-axis stage is freed before w's (fp32: 47 MB) is made.
     const auto xs = real_spectrum(x, g.circle, {1, 1}, g.circle);  // xs: [2, F, N, C]
     // The spectrum of w^T's planes, [C, O] per frequency: the products' right operands untransposed
     // (w^T made and cast in one copy).
     auto wt = torch::empty({C, O, g.kernel[0], g.kernel[1]}, x.options());
     const KernelSpectrum wt_spectrum(wt.copy_(w.transpose(0, 1)), g.circle);
-    const int64_t columns = columns_per_chunk(n0, O, C, x.element_size(), chunk_bytes);
-    // The frequencies a chunk of columns k1 at a time: w's spectrum exists one chunk at a time, and each
-    // chunk's inverse writes its own columns of u (the inverse's first stage) once.
-    auto u = torch::empty({2 * g.output[0], K * N * O}, w.options());
-    for (int64_t k1 = 0; k1 < K; k1 += columns) {
-      const int64_t c = std::min(columns, K - k1);
-      const auto wts = wt_spectrum.columns(k1, c);  // wts: [2, n0 c, C, O]
-      const auto xc = spectrum_columns(xs, n0, k1, c);                     // xc: [2, n0, c, N, C]
-      auto ys = torch::empty({2, n0 * c, N, O}, w.options());
-      auto ys_rows = by_rows(ys, n0);
-      forward_products(ys_rows, xc, xc[0] + xc[1], by_rows(wts, n0));
-      first_axis_inverse_into(u, ys, n0, g.stride[0], g.output[0], k1);
-    }
-    auto y = torch::empty({N, O, g.output[0], g.output[1]}, w.options());
-    last_axis_inverse_into(y, u, g.circle, g.stride[1], g.output);
-    if (b.defined()) y.add_(b.view({1, -1, 1, 1}));
-    if (x.scalar_type() != y.scalar_type()) y = y.to(x.scalar_type());
+    const auto y = spectral_forward(
+        xs, b, g, O, columns_per_chunk(g.circle[0], O, C, x.element_size(), chunk_bytes), w.options(),
+        [&](int64_t k1, int64_t c) { return by_rows(wt_spectrum.columns(k1, c), g.circle[0]); });
     // The backward needs x through its spectrum (about x's size), kept outside the saved variables so that
     // the backward can free it once the weight gradient is done; x itself is saved to make it again for a
     // second backward (retain_graph). Saving x costs nothing where x is held anyway (PrimaryCaps: the ReLU
@@ -404,6 +420,36 @@ void inverse_real_spectrum_into(torch::Tensor& out, const torch::Tensor& spec, s
   auto u = torch::empty({2 * count[0], K * spec.size(2) * spec.size(3)}, spec.options());
   first_axis_inverse_into(u, spec, n[0], step[0], count[0], 0);
   last_axis_inverse_into(out, u, n, step[1], count);
+}
+
+torch::Tensor conv2d_spectral_weight_spectrum(const torch::Tensor& w, std::array<int64_t, 2> input_size,
+                                              std::array<int64_t, 2> stride, torch::ScalarType dtype) {
+  // A stand-in input of the right shape and dtype checks the geometry as conv2d_spectral would.
+  const auto probe = torch::empty({0, w.size(1), input_size[0], input_size[1]}, w.options().dtype(dtype));
+  const auto g = spectral_geometry(probe, w, stride);
+  const int64_t C = w.size(1), O = w.size(0), K = half_size(g.circle[1]);
+  auto wt = torch::empty({C, O, g.kernel[0], g.kernel[1]}, probe.options());
+  return KernelSpectrum(wt.copy_(w.transpose(0, 1)), g.circle).columns(0, K);  // [2, n0 K, C, O]
+}
+
+torch::Tensor conv2d_spectral_inference(const torch::Tensor& x_in, const torch::Tensor& w_spectrum,
+                                        const torch::Tensor& b, std::array<int64_t, 2> kernel,
+                                        std::array<int64_t, 2> stride, int64_t chunk_bytes) {
+  TORCH_CHECK(!torch::GradMode::is_enabled() || !x_in.requires_grad(),
+              "conv2d_spectral_inference: no gradients through a kept weight spectrum; use conv2d_spectral");
+  TORCH_CHECK(x_in.dim() == 4 && x_in.device().is_cpu() && w_spectrum.dim() == 4 && w_spectrum.size(0) == 2 &&
+                  w_spectrum.size(2) == x_in.size(1) && x_in.scalar_type() == w_spectrum.scalar_type(),
+              "conv2d_spectral_inference: x [N, C, H, W] and a weight spectrum [2, F, C, O] of x's dtype, got ",
+              x_in.sizes(), " ", x_in.scalar_type(), " and ", w_spectrum.sizes(), " ", w_spectrum.scalar_type());
+  const auto x = x_in.contiguous();
+  const auto g = geometry_for({x.size(2), x.size(3)}, kernel, stride);
+  const int64_t C = x.size(1), O = w_spectrum.size(3), n0 = g.circle[0];
+  TORCH_CHECK(w_spectrum.size(1) == n0 * half_size(g.circle[1]),
+              "conv2d_spectral_inference: the weight spectrum was made for another input size or kernel");
+  const auto sums = x.options().dtype(x.scalar_type() == torch::kBFloat16 ? torch::kFloat : x.scalar_type());
+  return spectral_forward(real_spectrum(x, g.circle, {1, 1}, g.circle), b, g, O,
+                          columns_per_chunk(n0, O, C, x.element_size(), chunk_bytes), sums,
+                          [&](int64_t k1, int64_t c) { return spectrum_columns(w_spectrum, n0, k1, c); });
 }
 
 torch::Tensor conv2d_spectral(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
