@@ -312,6 +312,10 @@ TEST(SpectralConv, InferenceRefusesAMismatchedSpectrum) {
   EXPECT_THROW(nn::conv2d_spectral_inference(torch::randn({2, 3, 13, 13}, torch::kDouble), spectrum, {}, {5, 5},
                                              {2, 2}),
                c10::Error);  // dtype
+  EXPECT_THROW(nn::conv2d_spectral_inference(torch::randn({2, 3, 13, 13}), spectrum, {}, {5, 5}, {0, 2}),
+               c10::Error);  // stride 0
+  EXPECT_THROW(nn::conv2d_spectral_inference(torch::randn({2, 3, 4, 13}), spectrum, {}, {5, 5}, {2, 2}),
+               c10::Error);  // kernel larger than the input
 }
 
 // BlockedConvWeights keeps the spectrum across calls and makes it again after the weight changes (an
