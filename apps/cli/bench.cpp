@@ -260,11 +260,11 @@ int run_all(const Flags& f) {
                              median(s["train_rss_growth_mb"]));
   }
   // Achieved arithmetic rate: training = 3 forward passes' FLOPs per image (forward_flops_per_image).
-  // Nominal FLOPs: the direct convolutions'. capsnet's fp32 PrimaryCaps runs through DFTs with 5.1x fewer
-  // multiply-adds (nn/spectral_conv.h), so its training and inference shares of the probe can exceed 100%.
+  // Nominal FLOPs: the direct convolutions'. capsnet's PrimaryCaps runs through DFTs with 5.1x fewer
+  // multiply-adds in both precisions (nn/spectral_conv.h), so its shares of the probe can exceed 100%.
   std::cout << fmt::format("\nachieved GFLOP/s ({:.3f} GFLOP per image forward, x3 for a training step; nominal: the "
-                           "direct convolutions' count, which capsnet's fp32 PrimaryCaps undercuts 5x in "
-                           "training and at batch >= 32 in inference) and share of the GEMM probe of the "
+                           "direct convolutions' count, which capsnet's PrimaryCaps (fp32 and bf16) undercuts 5x "
+                           "in training and at batch >= 32 in inference) and share of the GEMM probe of the "
                            "configuration's compute type:\n",
                            flops / 1e9);
   std::cout << fmt::format("{:<50} {:>11} {:>8} {:>11} {:>8}\n", "configuration", "train", "% peak", "infer",
