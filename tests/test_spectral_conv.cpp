@@ -402,6 +402,10 @@ TEST(Gemm, Bf16OperandsSumInFp32) {
   auto bout = torch::empty({3, 5, 4});
   nn::batched_gemm_into(bout, ba, bb, 1.5);
   EXPECT_LT(relative(bout, 1.5 * torch::bmm(f64(ba), f64(bb))), 1e-6);
+  // An empty sum (K = 0): beta * out, and zeros for beta 0 whatever out held.
+  auto nan_out = torch::full({9, 6}, std::numeric_limits<float>::quiet_NaN());
+  nn::gemm_into(nan_out, bf(torch::randn({9, 0})), bf(torch::randn({0, 6})));
+  EXPECT_EQ(nan_out.abs().sum().item<double>(), 0.0);
   // bf16 operands need a bf16 partner and a bf16 or fp32 out.
   auto out32 = torch::empty({9, 6});
   EXPECT_THROW(nn::gemm_into(out32, a, b.to(torch::kFloat)), c10::Error);

@@ -87,8 +87,8 @@ const dnnl::matmul& bf16_matmul_primitive(const torch::Tensor& out, const torch:
 
 void bf16_matmul(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, double alpha, double beta) {
   if (out.numel() == 0) return;
-  if (a.size(-1) == 0) {
-    out.mul_(beta);
+  if (a.size(-1) == 0) {  // an empty sum: beta * out (beta 0 ignores out's contents, NaN included)
+    beta == 0.0 ? out.zero_() : out.mul_(beta);
     return;
   }
   const auto& primitive = bf16_matmul_primitive(out, a, b, static_cast<float>(alpha), static_cast<float>(beta));
