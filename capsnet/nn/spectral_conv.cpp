@@ -124,6 +124,13 @@ class KernelSpectrum {
   std::array<int64_t, 2> n_, kernel_;
 };
 
+// The spectrum of w^T's planes ([C, O] per frequency: the forward products' right operands untransposed),
+// w^T made in `dtype` in one copy. w: [O, C, K0, K1].
+KernelSpectrum transposed_kernel_spectrum(const torch::Tensor& w, torch::ScalarType dtype, std::array<int64_t, 2> n) {
+  auto wt = torch::empty({w.size(1), w.size(0), w.size(2), w.size(3)}, w.options().dtype(dtype));
+  return KernelSpectrum(wt.copy_(w.transpose(0, 1)), n);
+}
+
 // The frequency columns k1 in [k_begin, k_begin + count) of a whole spectrum [2, n0 K, P, Q], as a view
 // [2, n0, count, P, Q] (not copied).
 torch::Tensor spectrum_columns(const torch::Tensor& spec, int64_t n0, int64_t k_begin, int64_t count) {
@@ -300,10 +307,7 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     const int64_t C = x.size(1), O = w.size(0);
     // x's spectrum first: its last-axis stage is freed before w's (fp32: 47 MB) is made.
     const auto xs = real_spectrum(x, g.circle, {1, 1}, g.circle);  // xs: [2, F, N, C]
-    // The spectrum of w^T's planes, [C, O] per frequency: the products' right operands untransposed
-    // (w^T made and cast in one copy).
-    auto wt = torch::empty({C, O, g.kernel[0], g.kernel[1]}, x.options());
-    const KernelSpectrum wt_spectrum(wt.copy_(w.transpose(0, 1)), g.circle);
+    const auto wt_spectrum = transposed_kernel_spectrum(w, x.scalar_type(), g.circle);
     const auto y = spectral_forward(
         xs, b, g, O, columns_per_chunk(g.circle[0], O, C, x.element_size(), chunk_bytes), w.options(),
         [&](int64_t k1, int64_t c) { return by_rows(wt_spectrum.columns(k1, c), g.circle[0]); });
@@ -427,9 +431,7 @@ torch::Tensor conv2d_spectral_weight_spectrum(const torch::Tensor& w, std::array
   // A stand-in input of the right shape and dtype checks the geometry as conv2d_spectral would.
   const auto probe = torch::empty({0, w.size(1), input_size[0], input_size[1]}, w.options().dtype(dtype));
   const auto g = spectral_geometry(probe, w, stride);
-  const int64_t C = w.size(1), O = w.size(0), K = half_size(g.circle[1]);
-  auto wt = torch::empty({C, O, g.kernel[0], g.kernel[1]}, probe.options());
-  return KernelSpectrum(wt.copy_(w.transpose(0, 1)), g.circle).columns(0, K);  // [2, n0 K, C, O]
+  return transposed_kernel_spectrum(w, dtype, g.circle).columns(0, half_size(g.circle[1]));  // [2, n0 K, C, O]
 }
 
 torch::Tensor conv2d_spectral_inference(const torch::Tensor& x_in, const torch::Tensor& w_spectrum,
