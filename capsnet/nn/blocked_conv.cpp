@@ -15,11 +15,10 @@ std::vector<int64_t> pair_of(const torch::ExpandingArray<2>& a) { return {a->at(
 
 BlockedConvWeights& BlockedConvWeights::operator=(const BlockedConvWeights&) {
   std::lock_guard<std::mutex> lock(mutex_);
-  weight_data_ = nullptr;
-  weight_version_ = bias_version_ = -1;
+  weight_stamp_.clear();
+  bias_version_ = -1;
   weight_ = bias_ = torch::Tensor();
-  spectrum_weight_data_ = nullptr;
-  spectrum_weight_version_ = -1;
+  spectrum_stamp_.clear();
   spectrum_ = torch::Tensor();
   return *this;
 }
@@ -48,13 +47,11 @@ torch::Tensor BlockedConvWeights::forward(const torch::nn::Conv2d& conv, const t
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const int64_t bias_version = b.defined() ? b._version() : 0;
-    if (!weight_.defined() || weight_data_ != w.data_ptr() || weight_version_ != w._version() ||
-        bias_version_ != bias_version || dtype_ != dtype) {
+    if (!weight_.defined() || !weight_stamp_.matches(w) || bias_version_ != bias_version || dtype_ != dtype) {
       // weight_: [O, C, K, K] in the blocked layout oneDNN's convolution reads for this geometry.
       weight_ = at::mkldnn_reorder_conv2d_weight(w.to(dtype).to_mkldnn(), padding, stride, dilation, o.groups());
       bias_ = b.defined() ? b.to(dtype).to_mkldnn() : torch::Tensor();
-      weight_data_ = w.data_ptr();
-      weight_version_ = w._version();
+      weight_stamp_.record(w);
       bias_version_ = bias_version;
       dtype_ = dtype;
       ++reorders_;
@@ -72,14 +69,13 @@ torch::Tensor BlockedConvWeights::spectrum(const torch::nn::Conv2d& conv, torch:
                                            std::array<int64_t, 2> input_size) {
   const auto& w = conv->weight;
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!spectrum_.defined() || spectrum_weight_data_ != w.data_ptr() || spectrum_weight_version_ != w._version() ||
-      spectrum_dtype_ != dtype || spectrum_input_size_ != input_size) {
+  if (!spectrum_.defined() || !spectrum_stamp_.matches(w) || spectrum_dtype_ != dtype ||
+      spectrum_input_size_ != input_size) {
     spectrum_ = torch::Tensor();  // the old one goes before the new one is made
     const torch::NoGradGuard no_grad;
     spectrum_ = conv2d_spectral_weight_spectrum(
         w, input_size, {conv->options.stride()->at(0), conv->options.stride()->at(1)}, dtype);
-    spectrum_weight_data_ = w.data_ptr();
-    spectrum_weight_version_ = w._version();
+    spectrum_stamp_.record(w);
     spectrum_dtype_ = dtype;
     spectrum_input_size_ = input_size;
     ++spectra_;

@@ -17,6 +17,8 @@
 #include <array>
 #include <mutex>
 
+#include "capsnet/nn/tensor_stamp.h"
+
 namespace capsnet::nn {
 
 /// One convolution's weights in oneDNN's blocked layout, and the inference forward that uses them.
@@ -50,15 +52,13 @@ class BlockedConvWeights {
 
  private:
   mutable std::mutex mutex_;
-  const void* weight_data_ = nullptr;  // the master weight's storage and version the cache was made from
-  int64_t weight_version_ = -1;
+  TensorStamp weight_stamp_;  // the master weight's storage and version the blocked weights were made from
   int64_t bias_version_ = -1;
   torch::ScalarType dtype_ = torch::kFloat32;
   torch::Tensor weight_, bias_;  // blocked weight [O, C, K, K] and blocked bias [O] (or undefined)
   int64_t reorders_ = 0;
   // The kept spectrum ([2, F, C, O]) and what it was made from.
-  const void* spectrum_weight_data_ = nullptr;
-  int64_t spectrum_weight_version_ = -1;
+  TensorStamp spectrum_stamp_;
   torch::ScalarType spectrum_dtype_ = torch::kFloat32;
   std::array<int64_t, 2> spectrum_input_size_{0, 0};
   torch::Tensor spectrum_;

@@ -4,8 +4,7 @@ namespace capsnet::nn {
 
 CastCache& CastCache::operator=(const CastCache&) {
   std::lock_guard<std::mutex> lock(mutex_);
-  data_ = nullptr;
-  version_ = -1;
+  master_.clear();
   copy_ = torch::Tensor();
   return *this;
 }
@@ -17,15 +16,14 @@ torch::Tensor CastCache::get(const torch::Tensor& t, torch::ScalarType dtype) {
     // (LibTorch 1.13's SGD updates p.data()), so the kept copy is dropped; the cast joins the graph.
     std::lock_guard<std::mutex> lock(mutex_);
     copy_ = torch::Tensor();
-    data_ = nullptr;
+    master_.clear();
     return t.to(dtype);
   }
   if (t.scalar_type() == dtype) return t.to(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!copy_.defined() || data_ != t.data_ptr() || version_ != t._version() || dtype_ != dtype) {
+  if (!copy_.defined() || !master_.matches(t) || dtype_ != dtype) {
     copy_ = t.to(dtype);  // [same shape as t]
-    data_ = t.data_ptr();
-    version_ = t._version();
+    master_.record(t);
     dtype_ = dtype;
     ++casts_;
   }

@@ -14,6 +14,7 @@
 #include <mutex>
 
 #include "capsnet/nn/precision.h"
+#include "capsnet/nn/tensor_stamp.h"
 
 namespace capsnet::nn {
 
@@ -35,8 +36,7 @@ class CastCache {
 
  private:
   mutable std::mutex mutex_;
-  const void* data_ = nullptr;  // the master's storage, version and the dtype the copy was made for
-  int64_t version_ = -1;
+  TensorStamp master_;  // the master's storage and version, and the dtype the copy was made for
   torch::ScalarType dtype_ = torch::kFloat32;
   torch::Tensor copy_;
   int64_t casts_ = 0;
