@@ -145,26 +145,31 @@ torch::Tensor by_rows(const torch::Tensor& spec, int64_t n0) {
 
 // The inverse's first stage for the frequency columns [k_begin, k_begin + count) of a spectrum
 // spec: [2, n0 count, P, Q]: u[:, columns (k1, PQ) of those k1] = M^-1 spec, u: [(part, i), (k1, PQ)]
-// for positions step i, i < rows. Each column chunk writes its own part of u, once.
+// for positions step i, i < rows. Each column chunk writes its own part of u, once. A bf16 u (fp32 spec:
+// the products' sums) gets the chunk through an fp32 scratch: oneDNN 2.6 builds no f32 x f32 -> bf16 product.
 void first_axis_inverse_into(torch::Tensor& u, const torch::Tensor& spec, int64_t n0, int64_t step, int64_t rows,
                              int64_t k_begin) {
   const int64_t PQ = spec.size(2) * spec.size(3), count = spec.size(1) / n0;
   const auto m = complex_idft_matrix(n0, step, rows, spec.options());  // m: [2 rows, (part, k0)]
   auto cols = u.narrow(1, k_begin * PQ, count * PQ);
-  gemm_into(cols, m, spec.view({2 * n0, count * PQ}));
+  if (u.scalar_type() == spec.scalar_type()) return gemm_into(cols, m, spec.view({2 * n0, count * PQ}));
+  auto scratch = torch::empty(cols.sizes(), spec.options());  // scratch: [2 rows, count PQ]
+  gemm_into(scratch, m, spec.view({2 * n0, count * PQ}));
+  cols.copy_(scratch);
 }
 
 // The inverse's last stage, straight into out's rows: out[:, :, i, :count1] = u_re[i]^T iw_re + u_im[i]^T iw_im.
-// u: [2 count0, K PQ]; out: [P, Q, >= count0, >= count1] contiguous.
-// An out of another dtype than u (bf16 for fp32 u) gets each row through an fp32 scratch row.
+// u: [2 count0, K PQ]; out: [P, Q, >= count0, >= count1] contiguous. A bf16 u sums in fp32: an out of
+// another dtype than the sums (bf16 out) gets each row through an fp32 scratch row.
 void last_axis_inverse_into(torch::Tensor& out, const torch::Tensor& u, std::array<int64_t, 2> n, int64_t step,
                             std::array<int64_t, 2> count) {
   const int64_t PQ = out.size(0) * out.size(1), Ho = out.size(2), Wo = out.size(3), K = half_size(n[1]);
   const auto iw = real_idft_matrices(n[0], n[1], step, count[1], u.options());  // each [K, count1]
   const auto uv = u.view({2, count[0], K, PQ});
   const auto out2d = out.view({PQ, Ho * Wo});
-  const bool in_place = out.scalar_type() == u.scalar_type();
-  auto scratch = in_place ? torch::Tensor() : torch::empty({PQ, count[1]}, u.options());  // scratch: [PQ, count1]
+  const auto sums = u.scalar_type() == torch::kBFloat16 ? torch::kFloat : u.scalar_type();
+  const bool in_place = out.scalar_type() == sums;
+  auto scratch = in_place ? torch::Tensor() : torch::empty({PQ, count[1]}, u.options().dtype(sums));  // [PQ, count1]
   for (int64_t i = 0; i < count[0]; ++i) {
     auto dst = out2d.narrow(1, i * Wo, count[1]);
     auto& row = in_place ? dst : scratch;
@@ -278,7 +283,7 @@ torch::Tensor spectral_forward(const torch::Tensor& xs, const torch::Tensor& b, 
   const int64_t N = xs.size(2), n0 = g.circle[0], K = half_size(g.circle[1]);
   // The frequencies a chunk of columns k1 at a time: w's spectrum exists one chunk at a time, and each
   // chunk's inverse writes its own columns of u (the inverse's first stage) once.
-  auto u = torch::empty({2 * g.output[0], K * N * O}, sums);
+  auto u = torch::empty({2 * g.output[0], K * N * O}, xs.options());
   for (int64_t k1 = 0; k1 < K; k1 += columns) {
     const int64_t c = std::min(columns, K - k1);
     const auto wts = weight_columns(k1, c);             // wts: [2, n0, c, C, O]
@@ -352,7 +357,7 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     torch::Tensor dx, dw, db;
     const auto input_gradient = [&] {
       const KernelSpectrum w_spectrum(w.to(spectrum_dtype), circle);
-      auto u = torch::empty({2 * n0, K * N * C}, sums);
+      auto u = torch::empty({2 * n0, K * N * C}, dz.options());
       for (int64_t k1 = 0; k1 < K; k1 += columns) {
         const int64_t c = std::min(columns, K - k1);
         const auto ws = w_spectrum.columns(k1, c);  // ws: [2, n0 c, O, C]
@@ -369,7 +374,7 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
       last_axis_inverse_into(dx, u, circle, 1, circle);
     };
     const auto weight_gradient = [&] {
-      auto u = torch::empty({2 * kernel[0], K * O * C}, sums);
+      auto u = torch::empty({2 * kernel[0], K * O * C}, dz.options());
       for (int64_t k1 = 0; k1 < K; k1 += columns) {
         const int64_t c = std::min(columns, K - k1);
         const auto dzc = spectrum_columns(dz, n0, k1, c), xc = spectrum_columns(xs, n0, k1, c);
