@@ -143,6 +143,9 @@ torch::Tensor by_rows(const torch::Tensor& spec, int64_t n0) {
   return spec.view({2, n0, spec.size(1) / n0, spec.size(2), spec.size(3)});
 }
 
+// The fp32 scratch of a bf16 u's first stage, per piece of columns.
+constexpr int64_t kInverseScratchBytes = int64_t{2} << 20;
+
 // The inverse's first stage for the frequency columns [k_begin, k_begin + count) of a spectrum
 // spec: [2, n0 count, P, Q]: u[:, columns (k1, PQ) of those k1] = M^-1 spec, u: [(part, i), (k1, PQ)]
 // for positions step i, i < rows. Each column chunk writes its own part of u, once. A bf16 u (fp32 spec:
@@ -151,11 +154,19 @@ void first_axis_inverse_into(torch::Tensor& u, const torch::Tensor& spec, int64_
                              int64_t k_begin) {
   const int64_t PQ = spec.size(2) * spec.size(3), count = spec.size(1) / n0;
   const auto m = complex_idft_matrix(n0, step, rows, spec.options());  // m: [2 rows, (part, k0)]
+  const auto spec2d = spec.view({2 * n0, count * PQ});
   auto cols = u.narrow(1, k_begin * PQ, count * PQ);
-  if (u.scalar_type() == spec.scalar_type()) return gemm_into(cols, m, spec.view({2 * n0, count * PQ}));
-  auto scratch = torch::empty(cols.sizes(), spec.options());  // scratch: [2 rows, count PQ]
-  gemm_into(scratch, m, spec.view({2 * n0, count * PQ}));
-  cols.copy_(scratch);
+  if (u.scalar_type() == spec.scalar_type()) return gemm_into(cols, m, spec2d);
+  // The scratch holds a piece of the chunk's columns at a time (kInverseScratchBytes): the whole chunk's
+  // would sit on top of the backward's peak (7.8 MB for PrimaryCaps' input gradient).
+  const int64_t piece = std::max<int64_t>(1, kInverseScratchBytes / (cols.size(0) * spec.element_size()));
+  auto scratch = torch::empty({cols.size(0), std::min(piece, cols.size(1))}, spec.options());
+  for (int64_t j = 0; j < cols.size(1); j += piece) {
+    const int64_t width = std::min(piece, cols.size(1) - j);
+    auto part = scratch.narrow(1, 0, width);  // part: [2 rows, width]
+    gemm_into(part, m, spec2d.narrow(1, j, width));
+    cols.narrow(1, j, width).copy_(part);
+  }
 }
 
 // The inverse's last stage, straight into out's rows: out[:, :, i, :count1] = u_re[i]^T iw_re + u_im[i]^T iw_im.
@@ -345,8 +356,13 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     const auto spectrum_dtype = x.scalar_type();
     const auto sums = w.options();
     const int64_t columns = columns_per_chunk(n0, O, C, x.element_size(), ctx->saved_data["chunk_bytes"].toInt());
-    // dy sits at the strided positions of the full correlation's output.
-    const auto dz = real_spectrum(dy.to(spectrum_dtype), circle, stride, output);  // dz: [2, F, N, O]
+    // dy sits at the strided positions of the full correlation's output. Its spectrum is made a chunk of
+    // columns at a time from the last-axis stage (both loops make it: a first-axis product of `output[0]`
+    // terms, where the whole spectrum would sit on the peak: 19.5 MB bf16 for PrimaryCaps, 3.9 per chunk).
+    const auto dy_last_axis = last_axis_spectrum(dy.to(spectrum_dtype), circle[1], stride[1], output);
+    const auto dz_columns = [&](int64_t k1, int64_t c) {  // [2, n0, c, N, O]
+      return by_rows(first_axis_spectrum(dy_last_axis, n0, stride[0], k1, c, N, O), n0);
+    };
     torch::Tensor xs;  // xs: [2, F, N, C], taken from the forward (or made again: a second backward)
     if (ctx->saved_data.count("x_spectrum") != 0) {
       xs = ctx->saved_data["x_spectrum"].toTensor();
@@ -357,11 +373,11 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     torch::Tensor dx, dw, db;
     const auto input_gradient = [&] {
       const KernelSpectrum w_spectrum(w.to(spectrum_dtype), circle);
-      auto u = torch::empty({2 * n0, K * N * C}, dz.options());
+      auto u = torch::empty({2 * n0, K * N * C}, dy_last_axis.options());
       for (int64_t k1 = 0; k1 < K; k1 += columns) {
         const int64_t c = std::min(columns, K - k1);
         const auto ws = w_spectrum.columns(k1, c);  // ws: [2, n0 c, O, C]
-        const auto dzc = spectrum_columns(dz, n0, k1, c);
+        const auto dzc = dz_columns(k1, c);
         auto dxs = torch::empty({2, n0 * c, N, C}, sums);
         auto dxs_rows = by_rows(dxs, n0);
         input_grad_products(dxs_rows, dzc, dzc[0] - dzc[1], by_rows(ws, n0));
@@ -374,10 +390,10 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
       last_axis_inverse_into(dx, u, circle, 1, circle);
     };
     const auto weight_gradient = [&] {
-      auto u = torch::empty({2 * kernel[0], K * O * C}, dz.options());
+      auto u = torch::empty({2 * kernel[0], K * O * C}, dy_last_axis.options());
       for (int64_t k1 = 0; k1 < K; k1 += columns) {
         const int64_t c = std::min(columns, K - k1);
-        const auto dzc = spectrum_columns(dz, n0, k1, c), xc = spectrum_columns(xs, n0, k1, c);
+        const auto dzc = dz_columns(k1, c), xc = spectrum_columns(xs, n0, k1, c);
         auto dws = torch::empty({2, n0 * c, O, C}, sums);
         auto dws_rows = by_rows(dws, n0);
         weight_grad_products(dws_rows, dzc, dzc[0] + dzc[1], xc, xc[0] - xc[1]);
