@@ -11,6 +11,7 @@
 
 #include "apps/runtime.h"
 #include "capsnet/train/adam_state.h"
+#include "capsnet/train/fused_adam.h"
 #include "capsnet/train/gradients.h"
 
 namespace capsnet::apps {
@@ -97,7 +98,8 @@ BenchResult run_benchmark(const BenchOptions& o) {
   models::CapsNet model(o.model);
   model->set_fused_routing(o.fused_routing);
   model->set_precision(o.precision);
-  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
+  const auto adam = train::make_adam(model->parameters(), torch::optim::AdamOptions(1e-3));  // as the loop
+  auto& optimizer = *adam;
   train::allocate_adam_state(optimizer);  // as the training loop does
   const auto& c = o.model;
   // images: [B, C, H, W] in [0, 1); labels: [B]

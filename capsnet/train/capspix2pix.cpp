@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/fused_adam.h"
 #include "capsnet/train/gradients.h"
 #include "capsnet/viz/figures.h"
 
@@ -178,8 +179,7 @@ std::unique_ptr<torch::optim::Adam> make_pix2pix_optimizer(models::Pix2pix& mode
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(model->generator_parameters());
   groups.emplace_back(model->discriminator_parameters());
-  return std::make_unique<torch::optim::Adam>(std::move(groups),
-                                              torch::optim::AdamOptions(lr).betas({beta1, 0.999}));
+  return make_adam(std::move(groups), torch::optim::AdamOptions(lr).betas({beta1, 0.999}));
 }
 
 models::Pix2pixLosses pix2pix_step(models::Pix2pix& model, torch::optim::Optimizer& optimizer,

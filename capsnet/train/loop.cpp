@@ -12,6 +12,7 @@
 #include "capsnet/train/adam_state.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/distributed.h"
+#include "capsnet/train/fused_adam.h"
 #include "capsnet/train/gradients.h"
 #include "capsnet/train/metrics.h"
 
@@ -218,8 +219,7 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
         fmt::format("{}: this task makes its own optimizer updates and runs in one process only", task.name()));
   std::unique_ptr<torch::optim::Optimizer> optimizer = task.make_optimizer(*model, options);
   if (!optimizer)
-    optimizer = std::make_unique<torch::optim::Adam>(
-        model->parameters(), torch::optim::AdamOptions(options.lr).weight_decay(options.weight_decay));
+    optimizer = make_adam(model->parameters(), torch::optim::AdamOptions(options.lr).weight_decay(options.weight_decay));
   const std::string ckpt = checkpoint_path(options.out_dir);
 
   int64_t step = 0;
