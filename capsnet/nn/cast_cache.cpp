@@ -37,7 +37,7 @@ int64_t CastCache::casts() const {
 
 torch::Tensor linear_at(torch::nn::Linear& linear, const torch::Tensor& x, Precision precision,
                         LinearCastCache& cache) {
-  if (precision == Precision::kFloat32) return linear->forward(x);
+  if (precision == Precision::kFloat32) return linear_at(linear, x, precision);  // no cast to keep
   const auto dtype = compute_dtype(precision);
   return torch::linear(x.to(dtype), cache.weight.get(linear->weight, dtype), cache.bias.get(linear->bias, dtype));
 }

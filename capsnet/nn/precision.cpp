@@ -7,6 +7,7 @@
 #include <variant>
 
 #include "capsnet/nn/batch_swapped_conv.h"
+#include "capsnet/nn/linear.h"
 #include "capsnet/nn/spectral_conv.h"
 
 namespace capsnet::nn {
@@ -127,7 +128,13 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Prec
 }
 
 torch::Tensor linear_at(torch::nn::Linear& linear, const torch::Tensor& x, Precision precision) {
-  if (precision == Precision::kFloat32) return linear->forward(x);
+  if (precision == Precision::kFloat32) {
+    // float32 2-D inputs on oneDNN's sgemm (linear.h: 3-10x faster than ATen's OpenBLAS here).
+    if (x.dim() == 2 && x.scalar_type() == torch::kFloat && x.device().is_cpu() &&
+        linear->weight.scalar_type() == torch::kFloat && linear->weight.device().is_cpu())
+      return linear_gemm(x, linear->weight, linear->bias);
+    return linear->forward(x);
+  }
   const auto dtype = compute_dtype(precision);
   return torch::linear(x.to(dtype), linear->weight.to(dtype),
                        linear->bias.defined() ? linear->bias.to(dtype) : linear->bias);
