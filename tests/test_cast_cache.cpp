@@ -7,6 +7,7 @@
 #include "capsnet/nn/cast_cache.h"
 #include "capsnet/nn/decoder.h"
 #include "capsnet/nn/precision.h"
+#include "capsnet/train/fused_adam.h"
 
 namespace capsnet {
 namespace {
@@ -79,14 +80,17 @@ TEST(CastCache, DecoderOutputsAreBitIdenticalToTheUncachedPathAcrossTrainingStep
     sgd.step();
   }
   // Adam bumps the version counters: no forward under autograd needed between its step and inference.
-  torch::optim::Adam adam(decoder->parameters(), torch::optim::AdamOptions(0.1));
-  (decoder(x, Precision::kBFloat16) - 0.5).square().sum().backward();
-  {
+  // Both LibTorch's and the fused one the training loops use (which writes through raw pointers).
+  torch::optim::Adam libtorch_adam(decoder->parameters(), torch::optim::AdamOptions(0.1));
+  const auto fused_adam = train::make_adam(decoder->parameters(), torch::optim::AdamOptions(0.1));
+  for (auto* adam : {&libtorch_adam, fused_adam.get()}) {
+    adam->zero_grad();
+    (decoder(x, Precision::kBFloat16) - 0.5).square().sum().backward();
     torch::NoGradGuard no_grad;
     const auto before = decoder(x, Precision::kBFloat16);
-    adam.step();
+    adam->step();
     const auto after = decoder(x, Precision::kBFloat16);
-    EXPECT_FALSE(torch::equal(after, before));
+    EXPECT_FALSE(torch::equal(after, before)) << (adam == &libtorch_adam ? "LibTorch's Adam" : "FusedAdam");
     EXPECT_TRUE(torch::equal(after, uncached_decoder(decoder, x, Precision::kBFloat16)));
   }
   // A clone serves its own weights.

@@ -121,6 +121,27 @@ TEST(FusedAdam, ItsStateLoadsIntoLibTorchsAdamAndBack) {
   }
 }
 
+TEST(FusedAdam, AStepMovesTheParametersVersionCounters) {
+  // The inference caches keep a weight's cast, reorder or spectrum until its storage or version changes
+  // (nn/tensor_stamp.h): a step written through raw pointers must move the version as ATen's in-place ops do.
+  auto fused = parameters(9), reference = parameters(9);
+  auto fused_adam = train::make_adam(fused, torch::optim::AdamOptions(1e-2).amsgrad(true));
+  torch::optim::Adam reference_adam(reference, torch::optim::AdamOptions(1e-2).amsgrad(true));
+  for (int step = 0; step < 2; ++step) {
+    set_gradients(fused, step);
+    set_gradients(reference, step);
+    std::vector<int64_t> before, reference_before;
+    for (const auto& p : fused) before.push_back(p._version());
+    for (const auto& p : reference) reference_before.push_back(p._version());
+    fused_adam->step();
+    reference_adam.step();
+    for (size_t i = 0; i < fused.size(); ++i) {
+      const bool stepped = reference[i]._version() != reference_before[i];
+      EXPECT_EQ(fused[i]._version() != before[i], stepped) << "parameter " << i << ", step " << step;
+    }
+  }
+}
+
 TEST(FusedAdam, RefusesSparseGradientsAsLibTorchDoes) {
   auto p = torch::zeros({4}).requires_grad_();
   auto adam = train::make_adam({p}, torch::optim::AdamOptions(0.1));

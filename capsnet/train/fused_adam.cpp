@@ -196,6 +196,11 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
           else
             adam_range_avx2(pp, gp, mp, vp, vmaxp, begin, end, s);
         });
+        // Written through raw pointers: the version counters move as ATen's in-place ops move them, so that
+        // whatever keeps a copy of a weight until it changes (nn/tensor_stamp.h: the bf16 casts, the blocked
+        // weights, the kept spectrum) sees the update.
+        for (const auto* t : {&p, &state.exp_avg(), &state.exp_avg_sq()}) t->unsafeGetTensorImpl()->bump_version();
+        if (o.amsgrad()) state.max_exp_avg_sq().unsafeGetTensorImpl()->bump_version();
         continue;
       }
 #endif
