@@ -286,8 +286,8 @@ SpectralGeometry spectral_geometry(const torch::Tensor& x, const torch::Tensor& 
 
 // y = the forward through DFTs (conv2d_spectral's) from x's spectrum xs ([2, F, N, C], real_spectrum of x
 // on the circle) and w^T's, a chunk of `columns` frequency columns at a time from weight_columns(k1, c):
-// [2, n0, c, C, O] in xs's dtype. The products' sums and everything after them in `sums` (fp32
-// accumulation, the inverse in fp32); y: [N, O, P, Q] in xs's dtype; b: [O] or undefined.
+// [2, n0, c, C, O] in xs's dtype. The products' sums in `sums` (fp32 accumulation), the inverse's first-stage
+// buffer in xs's dtype (last_axis_inverse_into sums in fp32); y: [N, O, P, Q] in xs's dtype; b: [O] or undefined.
 template <class WeightColumns>
 torch::Tensor spectral_forward(const torch::Tensor& xs, const torch::Tensor& b, const SpectralGeometry& g, int64_t O,
                                int64_t columns, const torch::TensorOptions& sums, WeightColumns weight_columns) {

@@ -13,8 +13,9 @@
 //
 // Each is one complex product per frequency f (Nh x (Nw/2 + 1) of them, real inputs), done with three
 // real products (Gauss) by oneDNN's sgemm in fp32 (nn/gemm.h). With a bf16 input (and the fp32 master
-// weight) the spectra and the products' operands are bf16 (oneDNN's matmul, sums in fp32), everything
-// after the products fp32: y and dx come back in bf16, dW and db in fp32 (no bf16 weight gradient).
+// weight) the spectra and the products' operands are bf16 (oneDNN's matmul, sums in fp32), the inverse's
+// first stage fp32 into a bf16 buffer, its last stage a bf16 product summing in fp32: y and dx come back in
+// bf16, dW and db in fp32 (no bf16 weight gradient).
 // Why: PrimaryCaps (256 -> 256, 9 x 9, stride 2, 20 x 20 -> 6 x 6) costs 81 x 36 = 2916 multiply-adds
 // per (example, in, out) channel directly, 3 x 19 x 10 = 570 this way: at batch 100 its fp32 forward
 // took 82-100 ms against 148-164 ms in oneDNN's direct kernels, both gradients 126-141 ms against ~300;
