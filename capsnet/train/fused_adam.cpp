@@ -44,74 +44,77 @@ struct AdamScalars {
   v[i] = vi;
 
 #if CAPSNET_HAVE_X86_COPIES
-// maximum() with NaN propagation, as ATen's Vectorized<float>::maximum.
-__attribute__((target("avx512f,avx2,fma"))) inline __m512 max_nan(__m512 a, __m512 b) {
-  const __m512 mx = _mm512_max_ps(a, b);
-  const __mmask16 nan = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);
-  return _mm512_mask_mov_ps(mx, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-}
+// One vector body for both widths: the ISA's operations, each a single intrinsic (no fusing beyond the
+// two fmadds written out).
+#define CAPSNET_AVX512_OP __attribute__((target("avx512f,avx2,fma"), always_inline)) static inline
+struct Avx512 {
+  using V = __m512;
+  static constexpr int64_t kLanes = 16;
+  CAPSNET_AVX512_OP V set1(float x) { return _mm512_set1_ps(x); }
+  CAPSNET_AVX512_OP V load(const float* p) { return _mm512_loadu_ps(p); }
+  CAPSNET_AVX512_OP void store(float* p, V a) { _mm512_storeu_ps(p, a); }
+  CAPSNET_AVX512_OP V add(V a, V b) { return _mm512_add_ps(a, b); }
+  CAPSNET_AVX512_OP V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  CAPSNET_AVX512_OP V div(V a, V b) { return _mm512_div_ps(a, b); }
+  CAPSNET_AVX512_OP V sqrt(V a) { return _mm512_sqrt_ps(a); }
+  CAPSNET_AVX512_OP V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  // maximum() with NaN propagation, as ATen's Vectorized<float>::maximum.
+  CAPSNET_AVX512_OP V max_nan(V a, V b) {
+    const __mmask16 nan = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);
+    return _mm512_mask_mov_ps(_mm512_max_ps(a, b), nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  }
+};
 
-__attribute__((target("avx512f,avx2,fma"))) void adam_range_avx512(float* p, const float* grad, float* m, float* v,
-                                                                   float* vmax, int64_t begin, int64_t end,
-                                                                   const AdamScalars& s) {
-  const __m512 b1 = _mm512_set1_ps(s.beta1), omb1 = _mm512_set1_ps(s.one_minus_beta1);
-  const __m512 b2 = _mm512_set1_ps(s.beta2), omb2 = _mm512_set1_ps(s.one_minus_beta2);
-  const __m512 wd = _mm512_set1_ps(s.weight_decay), c2 = _mm512_set1_ps(s.sqrt_bias_correction2);
-  const __m512 eps = _mm512_set1_ps(s.eps), step = _mm512_set1_ps(s.neg_step_size);
-  int64_t i = begin;
-  for (; i + 16 <= end; i += 16) {
-    __m512 g = _mm512_loadu_ps(grad + i);
-    const __m512 pi = _mm512_loadu_ps(p + i);
-    if (s.decay) g = _mm512_fmadd_ps(pi, wd, g);
-    const __m512 mi = _mm512_fmadd_ps(g, omb1, _mm512_mul_ps(_mm512_loadu_ps(m + i), b1));
-    const __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, _mm512_mul_ps(_mm512_loadu_ps(v + i), b2));
-    __m512 vd = vi;
-    if (s.amsgrad) {
-      vd = max_nan(vi, _mm512_loadu_ps(vmax + i));
-      _mm512_storeu_ps(vmax + i, vd);
-    }
-    const __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vd), c2), eps);
-    _mm512_storeu_ps(p + i, _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(step, mi), d)));
-    _mm512_storeu_ps(m + i, mi);
-    _mm512_storeu_ps(v + i, vi);
+#define CAPSNET_AVX2_OP __attribute__((target("avx2,fma"), always_inline)) static inline
+struct Avx2 {
+  using V = __m256;
+  static constexpr int64_t kLanes = 8;
+  CAPSNET_AVX2_OP V set1(float x) { return _mm256_set1_ps(x); }
+  CAPSNET_AVX2_OP V load(const float* p) { return _mm256_loadu_ps(p); }
+  CAPSNET_AVX2_OP void store(float* p, V a) { _mm256_storeu_ps(p, a); }
+  CAPSNET_AVX2_OP V add(V a, V b) { return _mm256_add_ps(a, b); }
+  CAPSNET_AVX2_OP V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  CAPSNET_AVX2_OP V div(V a, V b) { return _mm256_div_ps(a, b); }
+  CAPSNET_AVX2_OP V sqrt(V a) { return _mm256_sqrt_ps(a); }
+  CAPSNET_AVX2_OP V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  CAPSNET_AVX2_OP V max_nan(V a, V b) {  // unordered lanes: all ones, a NaN
+    return _mm256_or_ps(_mm256_max_ps(a, b), _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
   }
-  for (; i < end; ++i) {
-    CAPSNET_ADAM_SCALAR_BODY
-  }
-}
+};
 
-__attribute__((target("avx2,fma"))) inline __m256 max_nan(__m256 a, __m256 b) {
-  const __m256 mx = _mm256_max_ps(a, b);
-  return _mm256_or_ps(mx, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));  // unordered: all ones, a NaN
-}
+// Elements [begin, end): whole vectors, then the tail one at a time with the same roundings. One body,
+// compiled once per ISA (a template without the target attribute cannot inline the intrinsics).
+#define CAPSNET_DEFINE_ADAM_RANGE(NAME, I, TARGET)                                                             \
+  TARGET void NAME(float* p, const float* grad, float* m, float* v, float* vmax, int64_t begin, int64_t end,   \
+                   const AdamScalars& s) {                                                                      \
+    using V = I::V;                                                                                             \
+    const V b1 = I::set1(s.beta1), omb1 = I::set1(s.one_minus_beta1), b2 = I::set1(s.beta2);                    \
+    const V omb2 = I::set1(s.one_minus_beta2), wd = I::set1(s.weight_decay);                                     \
+    const V c2 = I::set1(s.sqrt_bias_correction2), eps = I::set1(s.eps), step = I::set1(s.neg_step_size);       \
+    int64_t i = begin;                                                                                          \
+    for (; i + I::kLanes <= end; i += I::kLanes) {                                                              \
+      V g = I::load(grad + i);                                                                                  \
+      const V pi = I::load(p + i);                                                                              \
+      if (s.decay) g = I::fmadd(pi, wd, g);                                                                     \
+      const V mi = I::fmadd(g, omb1, I::mul(I::load(m + i), b1));                                               \
+      const V vi = I::fmadd(I::mul(omb2, g), g, I::mul(I::load(v + i), b2));                                    \
+      V vd = vi;                                                                                                \
+      if (s.amsgrad) {                                                                                          \
+        vd = I::max_nan(vi, I::load(vmax + i));                                                                 \
+        I::store(vmax + i, vd);                                                                                 \
+      }                                                                                                         \
+      const V d = I::add(I::div(I::sqrt(vd), c2), eps);                                                         \
+      I::store(p + i, I::add(pi, I::div(I::mul(step, mi), d)));                                                 \
+      I::store(m + i, mi);                                                                                      \
+      I::store(v + i, vi);                                                                                      \
+    }                                                                                                           \
+    for (; i < end; ++i) {                                                                                      \
+      CAPSNET_ADAM_SCALAR_BODY                                                                                  \
+    }                                                                                                           \
+  }
 
-__attribute__((target("avx2,fma"))) void adam_range_avx2(float* p, const float* grad, float* m, float* v, float* vmax,
-                                                         int64_t begin, int64_t end, const AdamScalars& s) {
-  const __m256 b1 = _mm256_set1_ps(s.beta1), omb1 = _mm256_set1_ps(s.one_minus_beta1);
-  const __m256 b2 = _mm256_set1_ps(s.beta2), omb2 = _mm256_set1_ps(s.one_minus_beta2);
-  const __m256 wd = _mm256_set1_ps(s.weight_decay), c2 = _mm256_set1_ps(s.sqrt_bias_correction2);
-  const __m256 eps = _mm256_set1_ps(s.eps), step = _mm256_set1_ps(s.neg_step_size);
-  int64_t i = begin;
-  for (; i + 8 <= end; i += 8) {
-    __m256 g = _mm256_loadu_ps(grad + i);
-    const __m256 pi = _mm256_loadu_ps(p + i);
-    if (s.decay) g = _mm256_fmadd_ps(pi, wd, g);
-    const __m256 mi = _mm256_fmadd_ps(g, omb1, _mm256_mul_ps(_mm256_loadu_ps(m + i), b1));
-    const __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, _mm256_mul_ps(_mm256_loadu_ps(v + i), b2));
-    __m256 vd = vi;
-    if (s.amsgrad) {
-      vd = max_nan(vi, _mm256_loadu_ps(vmax + i));
-      _mm256_storeu_ps(vmax + i, vd);
-    }
-    const __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vd), c2), eps);
-    _mm256_storeu_ps(p + i, _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(step, mi), d)));
-    _mm256_storeu_ps(m + i, mi);
-    _mm256_storeu_ps(v + i, vi);
-  }
-  for (; i < end; ++i) {
-    CAPSNET_ADAM_SCALAR_BODY
-  }
-}
+CAPSNET_DEFINE_ADAM_RANGE(adam_range_avx512, Avx512, __attribute__((target("avx512f,avx2,fma"))))
+CAPSNET_DEFINE_ADAM_RANGE(adam_range_avx2, Avx2, __attribute__((target("avx2,fma"))))
 #endif
 
 // LibTorch 1.13's Adam::step for one parameter (torch/csrc/api/src/optim/adam.cpp), the same ATen calls.
