@@ -3,6 +3,7 @@
 
 #include <torch/torch.h>
 
+#include <memory>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -21,6 +22,17 @@ Key adam_state_key(const torch::Tensor& p) {
   } else {
     return static_cast<Key>(p.unsafeGetTensorImpl());
   }
+}
+
+/// The state LibTorch's Adam creates for `p` at its first step: step 0, zero moments (and a zero max moment
+/// with amsgrad).
+inline std::unique_ptr<torch::optim::AdamParamState> new_adam_state(const torch::Tensor& p, bool amsgrad) {
+  auto s = std::make_unique<torch::optim::AdamParamState>();
+  s->step(0);
+  s->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+  s->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+  if (amsgrad) s->max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+  return s;
 }
 }  // namespace detail
 
@@ -42,12 +54,7 @@ inline void allocate_adam_state(torch::optim::Optimizer& optimizer) {
     for (const auto& p : group.params()) {
       const auto key = detail::adam_state_key<Key>(p);
       if (state.count(key)) continue;
-      auto s = std::make_unique<torch::optim::AdamParamState>();
-      s->step(0);
-      s->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-      s->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-      if (amsgrad) s->max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-      state[key] = std::move(s);
+      state[key] = detail::new_adam_state(p, amsgrad);
     }
   }
 }

@@ -162,14 +162,7 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
       const auto grad = p.grad();
       TORCH_CHECK(!grad.is_sparse(), "Adam does not support sparse gradients");
       const auto key = detail::adam_state_key<Key>(p);
-      if (state_.find(key) == state_.end()) {  // as LibTorch: zero moments at the first step
-        auto s = std::make_unique<torch::optim::AdamParamState>();
-        s->step(0);
-        s->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-        s->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-        if (o.amsgrad()) s->max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-        state_[key] = std::move(s);
-      }
+      if (state_.find(key) == state_.end()) state_[key] = detail::new_adam_state(p, o.amsgrad());  // as LibTorch
       auto& state = static_cast<torch::optim::AdamParamState&>(*state_[key]);
       state.step(state.step() + 1);
       const auto [beta1, beta2] = o.betas();
