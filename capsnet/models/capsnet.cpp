@@ -101,8 +101,9 @@ CapsNetOutput CapsNetImpl::forward(const torch::Tensor& images, const std::optio
   // The decoder still reconstructs (and the loss compares with) the untransformed input.
   const auto x = stn ? stn(images) : images;      // [B, C, S, S]
   // conv1 -> ReLU -> PrimaryCaps conv run in the compute precision; u is fp32. Without autograd the
-  // three stay in oneDNN's blocked layout with weights reordered once (nn/blocked_conv.h).
-  auto u = primary_caps(torch::relu(nn::conv2d_at(conv1, x, precision_, &conv1_blocked_)), precision_);  // [B, I, 8]
+  // three stay in oneDNN's blocked layout with weights reordered once (nn/blocked_conv.h). The ReLU is
+  // PrimaryCaps' (relu_input): fused into its convolution where that can (nn/precision.h).
+  auto u = primary_caps(nn::conv2d_at(conv1, x, precision_, &conv1_blocked_), precision_, /*relu_input=*/true);  // [B, I, 8]
   out.digit_caps = digit_caps(u);                      // [B, K, 16]
   out.lengths = capsule_length(out.digit_caps);        // [B, K]
   if (decoder) {

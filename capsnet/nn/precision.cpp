@@ -78,16 +78,19 @@ bool use_spectral_conv(const torch::nn::detail::ConvNdOptions<2>& o, int64_t in_
                                 {s->at(0), s->at(1)});
 }
 
-torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Precision precision,
-                        BlockedConvWeights* blocked) {
+torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_given, Precision precision,
+                        BlockedConvWeights* blocked, bool relu_input) {
   const auto dtype = compute_dtype(precision);
   const auto& o = conv->options;
   // PrimaryCaps-like convolutions through DFTs (5x fewer multiply-adds), in bf16 with spectra and products
   // in bf16 and fp32 sums (docs/kernels.md, "Spectral convolution").
-  const bool spectral = x_in.dim() == 4 && x_in.device().is_cpu() &&
+  const bool spectral = x_given.dim() == 4 && x_given.device().is_cpu() &&
                         (precision == Precision::kFloat32 || conv->weight.scalar_type() == torch::kFloat) &&
-                        use_spectral_conv(o, x_in.size(-2), x_in.size(-1)) &&
-                        (torch::GradMode::is_enabled() || x_in.size(0) >= kSpectralInferenceMinBatch);
+                        use_spectral_conv(o, x_given.size(-2), x_given.size(-1)) &&
+                        (torch::GradMode::is_enabled() || x_given.size(0) >= kSpectralInferenceMinBatch);
+  // The ReLU is fused only into the spectral form's backward (conv2d_spectral_relu); elsewhere it runs first.
+  const bool fused_relu = relu_input && spectral && torch::GradMode::is_enabled();
+  const auto x_in = relu_input && !fused_relu ? torch::relu(x_given) : x_given;
   if (!spectral && blocked && BlockedConvWeights::usable(conv, x_in, dtype)) return blocked->forward(conv, x_in, dtype);
   // A forward under autograd is training: the optimizer step after it may change the weights without
   // bumping their version counter (LibTorch 1.13's SGD updates p.data()), so the kept blocked weights
@@ -102,7 +105,8 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_in, Prec
     if (blocked && !torch::GradMode::is_enabled())
       return conv2d_spectral_inference(xs, blocked->spectrum(conv, xs.scalar_type(), {x.size(2), x.size(3)}),
                                        conv->bias, {o.kernel_size()->at(0), o.kernel_size()->at(1)}, stride);
-    return conv2d_spectral(xs, conv->weight, conv->bias, stride);
+    return fused_relu ? conv2d_spectral_relu(xs, conv->weight, conv->bias, stride)
+                      : conv2d_spectral(xs, conv->weight, conv->bias, stride);
   }
   // Many input channels and a small output: oneDNN's bf16 weight gradient is ~2x slower than the same
   // FLOPs as a forward convolution, and its backward-data kernel for a strided one 1.55x (bf16) / 1.3x

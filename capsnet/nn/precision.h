@@ -76,8 +76,10 @@ constexpr int64_t kSpectralInferenceMinBatch = 32;
 /// Otherwise, with `blocked` and autograd off (BlockedConvWeights::usable), it runs on oneDNN's blocked tensors
 /// with weights reordered once, and returns a blocked tensor (is_mkldnn()): the caller calls
 /// to_dense() where it leaves its convolution stack. A blocked x is accepted either way.
+/// relu_input: convolve relu(x) instead (Conv1 -> ReLU -> PrimaryCaps); in the spectral form under autograd
+/// the ReLU is fused into it (conv2d_spectral_relu: its backward keeps one bit per element of x, not relu(x)).
 torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x, Precision precision,
-                        BlockedConvWeights* blocked = nullptr);
+                        BlockedConvWeights* blocked = nullptr, bool relu_input = false);
 /// linear(x) likewise.
 torch::Tensor linear_at(torch::nn::Linear& linear, const torch::Tensor& x, Precision precision);
 

@@ -22,7 +22,9 @@ class PrimaryCapsImpl : public torch::nn::Cloneable<PrimaryCapsImpl> {
  public:
   explicit PrimaryCapsImpl(const PrimaryCapsOptions& options);
   void reset() override;
-  torch::Tensor forward(const torch::Tensor& x, Precision precision = Precision::kFloat32);
+  /// relu_input: squash(conv(relu(x))) (the CapsNet's Conv1 -> ReLU), the ReLU fused into the convolution
+  /// where conv2d_at can (nn/precision.h): less memory held for the backward.
+  torch::Tensor forward(const torch::Tensor& x, Precision precision = Precision::kFloat32, bool relu_input = false);
 
   PrimaryCapsOptions options;
   torch::nn::Conv2d conv{nullptr};

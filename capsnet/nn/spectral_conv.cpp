@@ -2,6 +2,9 @@
 
 #include "capsnet/nn/gemm.h"
 #include "capsnet/nn/saved_pairs.h"
+#include "capsnet/nn/sign_mask.h"
+
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 
@@ -315,47 +318,74 @@ using detail::as_vector;
 
 class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFunction> {
  public:
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x_in,
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
                                const torch::Tensor& w_in, const torch::Tensor& b, std::array<int64_t, 2> stride,
-                               int64_t chunk_bytes) {
-    const auto x = x_in.contiguous(), w = w_in.contiguous();
-    const auto g = spectral_geometry(x, w, stride);
-    const int64_t C = x.size(1), O = w.size(0);
-    // x's spectrum first: its last-axis stage is freed before w's (fp32: 47 MB) is made.
-    const auto xs = real_spectrum(x, g.circle, {1, 1}, g.circle);  // xs: [2, F, N, C]
-    const auto wt_spectrum = transposed_kernel_spectrum(w, x.scalar_type(), g.circle);
+                               int64_t chunk_bytes, bool relu_input) {
+    const auto w = w_in.contiguous();
+    const auto g = spectral_geometry(input, w, stride);
+    const int64_t C = input.size(1), O = w.size(0);
+    torch::Tensor xs;  // xs: [2, F, N, C]
+    {
+      // x's spectrum first: its last-axis stage is freed before w's (fp32: 47 MB) is made. relu(input)
+      // lives only until its spectrum is made.
+      const auto x = relu_input ? torch::relu(input.contiguous()) : input.contiguous();
+      xs = real_spectrum(x, g.circle, {1, 1}, g.circle);
+    }
+    const auto wt_spectrum = transposed_kernel_spectrum(w, input.scalar_type(), g.circle);
     const auto y = spectral_forward(
-        xs, b, g, O, columns_per_chunk(g.circle[0], O, C, x.element_size(), chunk_bytes), w.options(),
+        xs, b, g, O, columns_per_chunk(g.circle[0], O, C, input.element_size(), chunk_bytes), w.options(),
         [&](int64_t k1, int64_t c) { return by_rows(wt_spectrum.columns(k1, c), g.circle[0]); });
-    // The backward needs x through its spectrum (about x's size), kept outside the saved variables so that
-    // the backward can free it once the weight gradient is done; x itself is saved to make it again for a
-    // second backward (retain_graph). Saving x costs nothing where x is held anyway (PrimaryCaps: the ReLU
-    // keeps it). w's spectrum is made again in the backward.
-    ctx->save_for_backward({x_in, w});
+    // The backward needs x through its spectrum (about x's size), kept apart so that the backward can free
+    // it once the weight gradient is done. The input is kept too, outside the saved variables, so that the
+    // backward can let it go as soon as it has what it needs (ReLU's sign bits; nothing without ReLU)
+    // unless the graph is kept for another backward, which makes x's spectrum from it again: PrimaryCaps'
+    // input (bf16: 20.5 MB, fp32: 41) no longer sits on the backward's peak. Its version is checked as a
+    // saved variable's would be. w's spectrum is made again in the backward.
+    ctx->save_for_backward({w});
+    ctx->saved_data["input"] = input;
+    ctx->saved_data["input_version"] = static_cast<int64_t>(input._version());
+    ctx->saved_data["relu_input"] = relu_input;
     ctx->saved_data["x_spectrum"] = xs;
     ctx->saved_data["stride"] = as_vector(stride);
-    ctx->saved_data["input_size"] = std::vector<int64_t>{x.size(2), x.size(3)};
     ctx->saved_data["chunk_bytes"] = chunk_bytes;
     return y;
   }
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto& x = saved[0];
-    const auto& w = saved[1];
+    const auto w = ctx->get_saved_variables()[0];
+    auto input = ctx->saved_data["input"].toTensor();
+    TORCH_CHECK(input._version() == ctx->saved_data["input_version"].toInt(),
+                "conv2d_spectral: its input was modified by an in-place operation after the forward; the "
+                "backward needs it as it was");
+    const bool relu_input = ctx->saved_data["relu_input"].toBool();
     const auto stride = as_array(ctx->saved_data["stride"]);
-    const auto input_size = as_array(ctx->saved_data["input_size"]);
+    const std::array<int64_t, 2> input_size{input.size(2), input.size(3)};
+    const auto input_options = input.options();
     const auto dy = grads[0].contiguous();  // dy: [N, O, P, Q]
     const int64_t N = dy.size(0), O = w.size(0), C = w.size(1);
     const std::array<int64_t, 2> kernel{w.size(2), w.size(3)}, output{dy.size(2), dy.size(3)};
     const std::array<int64_t, 2> circle{circle_size(kernel[0], output[0], stride[0]),
                                         circle_size(kernel[1], output[1], stride[1])};
     const int64_t n0 = circle[0], K = half_size(circle[1]);
-    // The spectra in x's dtype, sums in w's (see forward).
-    const auto spectrum_dtype = x.scalar_type();
+    // The spectra in the input's dtype, sums in w's (see forward).
+    const auto spectrum_dtype = input.scalar_type();
     const auto sums = w.options();
-    const int64_t columns = columns_per_chunk(n0, O, C, x.element_size(), ctx->saved_data["chunk_bytes"].toInt());
+    const int64_t columns = columns_per_chunk(n0, O, C, input.element_size(), ctx->saved_data["chunk_bytes"].toInt());
+    torch::Tensor xs;  // xs: [2, F, N, C], taken from the forward (or made again: a second backward)
+    if (ctx->saved_data.count("x_spectrum") != 0) {
+      xs = ctx->saved_data["x_spectrum"].toTensor();
+      ctx->saved_data.erase("x_spectrum");
+    } else if (ctx->needs_input_grad(1)) {
+      const auto x = relu_input ? torch::relu(input.contiguous()) : input.contiguous();
+      xs = real_spectrum(x, circle, {1, 1}, circle);
+    }
+    // ReLU's backward needs only the input's signs: one bit each.
+    const auto positive = relu_input && ctx->needs_input_grad(0) ? positive_bits(input) : torch::Tensor();
+    if (!torch::autograd::get_current_graph_task_keep_graph()) {
+      ctx->saved_data.erase("input");  // nothing else reads it: let it go before the two loops
+      input = torch::Tensor();
+    }
     // dy sits at the strided positions of the full correlation's output. Its spectrum is made a chunk of
     // columns at a time from the last-axis stage (both loops make it: a first-axis product of `output[0]`
     // terms, where the whole spectrum would sit on the peak: 19.5 MB bf16 for PrimaryCaps, 3.9 per chunk).
@@ -363,13 +393,6 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     const auto dz_columns = [&](int64_t k1, int64_t c) {  // [2, n0, c, N, O]
       return by_rows(first_axis_spectrum(dy_last_axis, n0, stride[0], k1, c, N, O), n0);
     };
-    torch::Tensor xs;  // xs: [2, F, N, C], taken from the forward (or made again: a second backward)
-    if (ctx->saved_data.count("x_spectrum") != 0) {
-      xs = ctx->saved_data["x_spectrum"].toTensor();
-      ctx->saved_data.erase("x_spectrum");
-    } else if (ctx->needs_input_grad(1)) {
-      xs = real_spectrum(x.contiguous(), circle, {1, 1}, circle);
-    }
     torch::Tensor dx, dw, db;
     const auto input_gradient = [&] {
       const KernelSpectrum w_spectrum(w.to(spectrum_dtype), circle);
@@ -383,11 +406,12 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
         input_grad_products(dxs_rows, dzc, dzc[0] - dzc[1], by_rows(ws, n0));
         first_axis_inverse_into(u, dxs, n0, 1, n0, k1);
       }
-      dx = torch::empty({N, C, input_size[0], input_size[1]}, x.options());
+      dx = torch::empty({N, C, input_size[0], input_size[1]}, input_options);
       // Rows and columns past the circle were never read: zero gradient.
       dx.narrow(2, circle[0], input_size[0] - circle[0]).zero_();
       dx.narrow(3, circle[1], input_size[1] - circle[1]).zero_();
       last_axis_inverse_into(dx, u, circle, 1, circle);
+      if (relu_input) keep_where_positive_(dx, positive);
     };
     const auto weight_gradient = [&] {
       auto u = torch::empty({2 * kernel[0], K * O * C}, dy_last_axis.options());
@@ -409,7 +433,7 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     xs = torch::Tensor();
     if (ctx->needs_input_grad(0)) input_gradient();
     if (ctx->needs_input_grad(2)) db = dy.to(w.scalar_type()).sum({0, 2, 3});
-    return {dx, dw, db, torch::Tensor(), torch::Tensor()};
+    return {dx, dw, db, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -478,12 +502,24 @@ torch::Tensor conv2d_spectral_inference(const torch::Tensor& x_in, const torch::
                           [&](int64_t k1, int64_t c) { return spectrum_columns(w_spectrum, n0, k1, c); });
 }
 
-torch::Tensor conv2d_spectral(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
-                              std::array<int64_t, 2> stride, int64_t chunk_bytes) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "conv2d_spectral: CPU tensors only");
+namespace {
+torch::Tensor apply_spectral_conv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                                  std::array<int64_t, 2> stride, int64_t chunk_bytes, bool relu_input) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && !x.is_mkldnn(), "conv2d_spectral: dense CPU tensors only");
   // Custom autograd functions take no undefined inputs: a missing bias is a zero one that needs no gradient.
   return SpectralConv2dFunction::apply(x, w, b.defined() ? b : torch::zeros({w.size(0)}, w.options()), stride,
-                                       chunk_bytes);
+                                       chunk_bytes, relu_input);
+}
+}  // namespace
+
+torch::Tensor conv2d_spectral(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                              std::array<int64_t, 2> stride, int64_t chunk_bytes) {
+  return apply_spectral_conv(x, w, b, stride, chunk_bytes, false);
+}
+
+torch::Tensor conv2d_spectral_relu(const torch::Tensor& z, const torch::Tensor& w, const torch::Tensor& b,
+                                   std::array<int64_t, 2> stride, int64_t chunk_bytes) {
+  return apply_spectral_conv(z, w, b, stride, chunk_bytes, true);
 }
 
 }  // namespace capsnet::nn
