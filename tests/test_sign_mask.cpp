@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "capsnet/nn/precision.h"
+#include "capsnet/ops/routing.h"
 #include "capsnet/nn/sign_mask.h"
 #include "capsnet/nn/spectral_conv.h"
 #include "gradcheck.h"
@@ -17,11 +18,19 @@ namespace {
 
 double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<double>(); }
 
+// Caps the kernels' instruction set for a scope (the portable copies run where AVX-512 would).
+struct IsaCap {
+  explicit IsaCap(ops::CpuIsa isa) { ops::set_cpu_isa(isa); }
+  ~IsaCap() { ops::set_cpu_isa(ops::CpuIsa::automatic); }
+};
+const ops::CpuIsa kIsas[] = {ops::CpuIsa::automatic, ops::CpuIsa::baseline};
+
 // Bits against x > 0 element by element, for sizes with and without a partial last byte, and the special
 // values ReLU's backward meets: zero and negative zero pass nothing, NaN nothing, +inf everything.
 TEST(SignMask, BitsAreTheInputsSignsInEveryDtype) {
   torch::manual_seed(1);
-  for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16}) {
+  for (const auto isa : kIsas) for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16}) {
+    const IsaCap cap(isa);
     for (const int64_t n : {1, 7, 8, 9, 64, 100003}) {
       auto x = torch::randn({n}).to(dtype);
       if (n >= 8) {
@@ -38,7 +47,7 @@ TEST(SignMask, BitsAreTheInputsSignsInEveryDtype) {
       const auto want = positive.accessor<int64_t, 1>();
       int64_t wrong = 0;
       for (int64_t i = 0; i < n; ++i) wrong += ((got[i / 8] >> (i % 8)) & 1) != want[i];
-      EXPECT_EQ(wrong, 0) << dtype << " n=" << n;
+      EXPECT_EQ(wrong, 0) << dtype << " n=" << n << " isa " << static_cast<int>(isa);
       if (8 * bits.numel() > n)  // the padding bits of the last byte are zero
         EXPECT_EQ(bits[-1].item<int64_t>() >> (n % 8), 0) << dtype << " n=" << n;
     }
@@ -49,12 +58,15 @@ TEST(SignMask, BitsAreTheInputsSignsInEveryDtype) {
 // multi-dimensional tensor (contiguous order).
 TEST(SignMask, KeepWherePositiveIsRelusBackward) {
   torch::manual_seed(2);
-  for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16}) {
-    const auto x = torch::randn({3, 5, 7, 9}).to(dtype);
-    auto g = torch::randn({3, 5, 7, 9}).to(dtype);
-    const auto ref = at::threshold_backward(g, x, 0);
-    nn::keep_where_positive_(g, nn::positive_bits(x));
-    EXPECT_TRUE(torch::equal(g, ref)) << dtype;
+  for (const auto isa : kIsas) for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16}) {
+    const IsaCap cap(isa);
+    for (const auto& shape : {std::vector<int64_t>{3, 5, 7, 9}, std::vector<int64_t>{100, 700}}) {  // 945, 70000
+      const auto x = torch::randn(shape).to(dtype);
+      auto g = torch::randn(shape).to(dtype);
+      const auto ref = at::threshold_backward(g, x, 0);
+      nn::keep_where_positive_(g, nn::positive_bits(x));
+      EXPECT_TRUE(torch::equal(g, ref)) << dtype << " isa " << static_cast<int>(isa);
+    }
   }
 }
 

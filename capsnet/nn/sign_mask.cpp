@@ -20,10 +20,11 @@ constexpr int64_t kGrain = int64_t{1} << 16;
 // The portable copies: one element at a time, without branches on the data (the signs are random: a
 // branch per element measured 15 ms for PrimaryCaps' 10M elements).
 template <typename T>
-void bits_baseline(const T* in, uint8_t* out, int64_t begin, int64_t end) {  // begin, end: multiples of 8
-  for (int64_t byte = begin / 8; byte < end / 8; ++byte) {
+void bits_baseline(const T* in, uint8_t* out, int64_t begin, int64_t end) {  // begin: a multiple of 8
+  for (int64_t byte = begin / 8; byte < (end + 7) / 8; ++byte) {
     uint8_t b = 0;
-    for (int k = 0; k < 8; ++k) b |= static_cast<uint8_t>(static_cast<float>(in[byte * 8 + k]) > 0.0f) << k;
+    for (int64_t k = 0; k < 8 && byte * 8 + k < end; ++k)
+      b |= static_cast<uint8_t>(static_cast<float>(in[byte * 8 + k]) > 0.0f) << k;
     out[byte] = b;
   }
 }
@@ -72,6 +73,14 @@ __attribute__((target("avx512f"))) void keep_avx512(T* g, const uint8_t* bits, i
 template <typename T>
 constexpr bool kHasAvx512Copy = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
 
+// body(begin, end) over [0, whole) (a multiple of 16) in parallel, split at whole 16-element words only.
+template <typename F>
+void parallel_words(int64_t whole, const F& body) {
+  at::parallel_for(0, whole, kGrain, [&](int64_t begin, int64_t end) {
+    body(begin / 16 * 16, end == whole ? whole : end / 16 * 16);  // parallel_for splits anywhere
+  });
+}
+
 }  // namespace
 
 torch::Tensor positive_bits(const torch::Tensor& x_in) {
@@ -82,9 +91,7 @@ torch::Tensor positive_bits(const torch::Tensor& x_in) {
   uint8_t* out = bits.data_ptr<uint8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "positive_bits", [&] {
     const scalar_t* in = x.data_ptr<scalar_t>();
-    at::parallel_for(0, whole, kGrain, [&](int64_t begin, int64_t end) {
-      begin = begin / 16 * 16;  // parallel_for splits anywhere: snap to whole words
-      end = end == whole ? whole : end / 16 * 16;
+    parallel_words(whole, [&](int64_t begin, int64_t end) {
 #if CAPSNET_HAVE_X86_COPIES
       if constexpr (kHasAvx512Copy<scalar_t>) {
         if (ops::cpu::selected_isa() == ops::CpuIsa::avx512) return bits_avx512(in, out, begin, end);
@@ -92,12 +99,7 @@ torch::Tensor positive_bits(const torch::Tensor& x_in) {
 #endif
       bits_baseline(in, out, begin, end);
     });
-    for (int64_t byte = whole / 8; byte < (n + 7) / 8; ++byte) {  // the tail: fewer than 16 elements
-      uint8_t b = 0;
-      for (int64_t k = 0; k < 8 && byte * 8 + k < n; ++k)
-        b |= static_cast<uint8_t>(static_cast<float>(in[byte * 8 + k]) > 0.0f) << k;
-      out[byte] = b;
-    }
+    bits_baseline(in, out, whole, n);  // the tail: fewer than 16 elements
   });
   return bits;
 }
@@ -113,9 +115,7 @@ void keep_where_positive_(torch::Tensor& g, const torch::Tensor& bits) {
   const uint8_t* in = bits.data_ptr<uint8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, g.scalar_type(), "keep_where_positive_", [&] {
     scalar_t* out = g.data_ptr<scalar_t>();
-    at::parallel_for(0, whole, kGrain, [&](int64_t begin, int64_t end) {
-      begin = begin / 16 * 16;
-      end = end == whole ? whole : end / 16 * 16;
+    parallel_words(whole, [&](int64_t begin, int64_t end) {
 #if CAPSNET_HAVE_X86_COPIES
       if constexpr (kHasAvx512Copy<scalar_t>) {
         if (ops::cpu::selected_isa() == ops::CpuIsa::avx512) return keep_avx512(out, in, begin, end);
@@ -123,7 +123,7 @@ void keep_where_positive_(torch::Tensor& g, const torch::Tensor& bits) {
 #endif
       keep_baseline(out, in, begin, end);
     });
-    keep_baseline(out, in, whole, n);
+    keep_baseline(out, in, whole, n);  // the tail
   });
 }
 
