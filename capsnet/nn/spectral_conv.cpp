@@ -316,6 +316,11 @@ torch::Tensor spectral_forward(const torch::Tensor& xs, const torch::Tensor& b, 
 using detail::as_array;
 using detail::as_vector;
 
+// The x the convolution reads: its input, or relu(input) where the ReLU is fused (contiguous either way).
+torch::Tensor convolved_input(const torch::Tensor& input, bool relu_input) {
+  return relu_input ? torch::relu(input.contiguous()) : input.contiguous();
+}
+
 class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
@@ -324,13 +329,9 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     const auto w = w_in.contiguous();
     const auto g = spectral_geometry(input, w, stride);
     const int64_t C = input.size(1), O = w.size(0);
-    torch::Tensor xs;  // xs: [2, F, N, C]
-    {
-      // x's spectrum first: its last-axis stage is freed before w's (fp32: 47 MB) is made. relu(input)
-      // lives only until its spectrum is made.
-      const auto x = relu_input ? torch::relu(input.contiguous()) : input.contiguous();
-      xs = real_spectrum(x, g.circle, {1, 1}, g.circle);
-    }
+    // x's spectrum first: its last-axis stage is freed before w's (fp32: 47 MB) is made. relu(input) lives
+    // only until its spectrum is made.
+    const auto xs = real_spectrum(convolved_input(input, relu_input), g.circle, {1, 1}, g.circle);  // [2, F, N, C]
     const auto wt_spectrum = transposed_kernel_spectrum(w, input.scalar_type(), g.circle);
     const auto y = spectral_forward(
         xs, b, g, O, columns_per_chunk(g.circle[0], O, C, input.element_size(), chunk_bytes), w.options(),
@@ -377,8 +378,7 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
       xs = ctx->saved_data["x_spectrum"].toTensor();
       ctx->saved_data.erase("x_spectrum");
     } else if (ctx->needs_input_grad(1)) {
-      const auto x = relu_input ? torch::relu(input.contiguous()) : input.contiguous();
-      xs = real_spectrum(x, circle, {1, 1}, circle);
+      xs = real_spectrum(convolved_input(input, relu_input), circle, {1, 1}, circle);
     }
     // ReLU's backward needs only the input's signs: one bit each.
     const auto positive = relu_input && ctx->needs_input_grad(0) ? positive_bits(input) : torch::Tensor();
