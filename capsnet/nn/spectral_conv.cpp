@@ -108,23 +108,27 @@ torch::Tensor kernel_dft_matrix(std::array<int64_t, 2> n, std::array<int64_t, 2>
 class KernelSpectrum {
  public:
   KernelSpectrum(torch::Tensor planes, std::array<int64_t, 2> n)
-      : planes_(std::move(planes)), n_(n), kernel_{planes_.size(2), planes_.size(3)} {
-    if (planes_.scalar_type() != torch::kBFloat16) last_axis_ = last_axis_spectrum(planes_, n[1], 1, kernel_);
+      : planes_(std::move(planes)), n_(n), kernel_{planes_.size(2), planes_.size(3)},
+        P_(planes_.size(0)), Q_(planes_.size(1)) {
+    if (planes_.scalar_type() != torch::kBFloat16) {
+      last_axis_ = last_axis_spectrum(planes_, n[1], 1, kernel_);
+      planes_ = torch::Tensor();  // every chunk reads last_axis_ alone: the planes (fp32 w^T: 21 MB) can go
+    }
   }
 
   torch::Tensor columns(int64_t k_begin, int64_t count) const {
-    const int64_t P = planes_.size(0), Q = planes_.size(1);
-    if (last_axis_.defined()) return first_axis_spectrum(last_axis_, n_[0], 1, k_begin, count, P, Q);
-    auto spec = torch::empty({2, n_[0] * count, P, Q}, planes_.options());
-    auto spec2d = spec.view({2 * n_[0] * count, P * Q});
+    if (last_axis_.defined()) return first_axis_spectrum(last_axis_, n_[0], 1, k_begin, count, P_, Q_);
+    auto spec = torch::empty({2, n_[0] * count, P_, Q_}, planes_.options());
+    auto spec2d = spec.view({2 * n_[0] * count, P_ * Q_});
     gemm_into(spec2d, kernel_dft_matrix(n_, kernel_, k_begin, count, planes_.options()),
-              planes_.view({P * Q, kernel_[0] * kernel_[1]}).t());
+              planes_.view({P_ * Q_, kernel_[0] * kernel_[1]}).t());
     return spec;
   }
 
  private:
-  torch::Tensor planes_, last_axis_;  // last_axis_: [K0, 2 (n1 / 2 + 1), P Q] (fp32, fp64)
+  torch::Tensor planes_, last_axis_;  // planes_: bf16 only; last_axis_: [K0, 2 (n1 / 2 + 1), P Q] (fp32, fp64)
   std::array<int64_t, 2> n_, kernel_;
+  int64_t P_, Q_;
 };
 
 // The spectrum of w^T's planes ([C, O] per frequency: the forward products' right operands untransposed),
