@@ -291,21 +291,23 @@ SpectralGeometry spectral_geometry(const torch::Tensor& x, const torch::Tensor& 
   return geometry_for({x.size(2), x.size(3)}, {w.size(2), w.size(3)}, stride);
 }
 
-// y = the forward through DFTs (conv2d_spectral's) from x's spectrum xs ([2, F, N, C], real_spectrum of x
-// on the circle) and w^T's, a chunk of `columns` frequency columns at a time from weight_columns(k1, c):
-// [2, n0, c, C, O] in xs's dtype. The products' sums in `sums` (fp32 accumulation), the inverse's first-stage
-// buffer in xs's dtype (last_axis_inverse_into sums in fp32); y: [N, O, P, Q] in xs's dtype; b: [O] or undefined.
-template <class WeightColumns>
-torch::Tensor spectral_forward(const torch::Tensor& xs, const torch::Tensor& b, const SpectralGeometry& g, int64_t O,
-                               int64_t columns, const torch::TensorOptions& sums, WeightColumns weight_columns) {
-  const int64_t N = xs.size(2), n0 = g.circle[0], K = half_size(g.circle[1]);
+// y = the forward through DFTs (conv2d_spectral's) of N inputs, a chunk of `columns` frequency columns k1 at
+// a time: x_columns(k1, c) gives x's spectrum for them ([2, n0, c, N, C], in `spectra` dtype) and
+// weight_columns(k1, c) w^T's ([2, n0, c, C, O], the same dtype). The products' sums in `sums` (fp32
+// accumulation), the inverse's first-stage buffer in the spectra's dtype (last_axis_inverse_into sums in fp32);
+// y: [N, O, P, Q] in the spectra's dtype; b: [O] or undefined.
+template <class XColumns, class WeightColumns>
+torch::Tensor spectral_forward(int64_t N, const torch::TensorOptions& spectra, const torch::Tensor& b,
+                               const SpectralGeometry& g, int64_t O, int64_t columns, const torch::TensorOptions& sums,
+                               XColumns x_columns, WeightColumns weight_columns) {
+  const int64_t n0 = g.circle[0], K = half_size(g.circle[1]);
   // The frequencies a chunk of columns k1 at a time: w's spectrum exists one chunk at a time, and each
   // chunk's inverse writes its own columns of u (the inverse's first stage) once.
-  auto u = torch::empty({2 * g.output[0], K * N * O}, xs.options());
+  auto u = torch::empty({2 * g.output[0], K * N * O}, spectra);
   for (int64_t k1 = 0; k1 < K; k1 += columns) {
     const int64_t c = std::min(columns, K - k1);
-    const auto wts = weight_columns(k1, c);             // wts: [2, n0, c, C, O]
-    const auto xc = spectrum_columns(xs, n0, k1, c);   // xc: [2, n0, c, N, C]
+    const auto wts = weight_columns(k1, c);  // wts: [2, n0, c, C, O]
+    const auto xc = x_columns(k1, c);        // xc: [2, n0, c, N, C]
     auto ys = torch::empty({2, n0 * c, N, O}, sums);
     auto ys_rows = by_rows(ys, n0);
     forward_products(ys_rows, xc, xc[0] + xc[1], wts);
@@ -314,7 +316,7 @@ torch::Tensor spectral_forward(const torch::Tensor& xs, const torch::Tensor& b, 
   auto y = torch::empty({N, O, g.output[0], g.output[1]}, sums);
   last_axis_inverse_into(y, u, g.circle, g.stride[1], g.output);
   if (b.defined()) y.add_(b.view({1, -1, 1, 1}).to(y.scalar_type()));
-  return xs.scalar_type() == y.scalar_type() ? y : y.to(xs.scalar_type());
+  return y.to(spectra.dtype().toScalarType());  // no copy where the spectra are fp32
 }
 
 using detail::as_array;
@@ -338,7 +340,8 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     const auto xs = real_spectrum(convolved_input(input, relu_input), g.circle, {1, 1}, g.circle);  // [2, F, N, C]
     const auto wt_spectrum = transposed_kernel_spectrum(w, input.scalar_type(), g.circle);
     const auto y = spectral_forward(
-        xs, b, g, O, columns_per_chunk(g.circle[0], O, C, input.element_size(), chunk_bytes), w.options(),
+        input.size(0), xs.options(), b, g, O, columns_per_chunk(g.circle[0], O, C, input.element_size(), chunk_bytes),
+        w.options(), [&](int64_t k1, int64_t c) { return spectrum_columns(xs, g.circle[0], k1, c); },
         [&](int64_t k1, int64_t c) { return by_rows(wt_spectrum.columns(k1, c), g.circle[0]); });
     // The backward needs x through its spectrum (about x's size), kept apart so that the backward can free
     // it once the weight gradient is done. The input is kept too, outside the saved variables, so that the
@@ -501,9 +504,14 @@ torch::Tensor conv2d_spectral_inference(const torch::Tensor& x_in, const torch::
   TORCH_CHECK(w_spectrum.size(1) == n0 * half_size(g.circle[1]),
               "conv2d_spectral_inference: the weight spectrum was made for another input size or kernel");
   const auto sums = x.options().dtype(x.scalar_type() == torch::kBFloat16 ? torch::kFloat : x.scalar_type());
-  return spectral_forward(real_spectrum(x, g.circle, {1, 1}, g.circle), b, g, O,
-                          columns_per_chunk(n0, O, C, x.element_size(), chunk_bytes), sums,
-                          [&](int64_t k1, int64_t c) { return spectrum_columns(w_spectrum, n0, k1, c); });
+  // x's spectrum a chunk of columns at a time from its last-axis stage: nothing keeps it for a backward, and
+  // the whole of it would sit beside that stage (each about x's size: 49 MB each for bf16 at batch 250).
+  const auto x_last_axis = last_axis_spectrum(x, g.circle[1], 1, g.circle);  // [circle0, 2 K, N C]
+  const int64_t N = x.size(0);
+  return spectral_forward(
+      N, x.options(), b, g, O, columns_per_chunk(n0, O, C, x.element_size(), chunk_bytes), sums,
+      [&](int64_t k1, int64_t c) { return by_rows(first_axis_spectrum(x_last_axis, n0, 1, k1, c, N, C), n0); },
+      [&](int64_t k1, int64_t c) { return spectrum_columns(w_spectrum, n0, k1, c); });
 }
 
 namespace {
