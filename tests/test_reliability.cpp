@@ -143,6 +143,30 @@ TEST(Reliability, TempFilesOfDeadWritersAreRemovedByTheNextSave) {
   EXPECT_TRUE(fs::exists(path + ".tmp.notapid")) << "only <name>.tmp.<pid> files are ours to remove";
 }
 
+TEST(Reliability, AStreamedAtomicWriteGivesTheBytesInOrderOrLeavesThePreviousFile) {
+  TempDir dir;
+  const auto path = dir / "weights.pt";
+  train::write_file_atomically(path, [](const train::ByteSink& write) {
+    write("abc", 3);
+    write("", 0);
+    write("defgh", 5);
+  });
+  EXPECT_EQ(read_bytes(path), "abcdefgh");
+  // A producer that throws part-way: its exception comes out, the file keeps its old bytes, no temp file.
+  try {
+    train::write_file_atomically(path, [](const train::ByteSink& write) {
+      write("xyz", 3);
+      throw std::logic_error("producer failed");
+    });
+    FAIL() << "the producer's exception was swallowed";
+  } catch (const std::logic_error& e) {
+    EXPECT_STREQ(e.what(), "producer failed");
+  }
+  EXPECT_EQ(read_bytes(path), "abcdefgh");
+  for (const auto& e : fs::directory_iterator(dir.str()))
+    EXPECT_EQ(e.path().filename().string(), "weights.pt") << "left behind: " << e.path();
+}
+
 TEST(Reliability, CraftedConfigsFailWithASentenceNotAnAllocation) {
   auto j = models::CapsNetConfig().to_json();
   j["conv1_channels"] = 1000000000;

@@ -54,6 +54,12 @@ CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model
 /// the temp file is removed, the previous file is unchanged, and std::runtime_error says what failed
 /// (without the path: callers prefix it, e.g. "checkpoint PATH: write failed after N of M bytes: ...").
 void write_file_atomically(const std::string& path, const std::vector<char>& bytes);
+/// What write_file_atomically's producer writes through: (data, n), as many times as it likes.
+using ByteSink = std::function<void(const void*, size_t)>;
+/// The same, streamed: `produce` writes the file's bytes through the sink it is given (none held in memory).
+/// A write error stops the writing (later bytes are only counted) and is thrown after `produce` returns; an
+/// exception from `produce` removes the temp file and propagates.
+void write_file_atomically(const std::string& path, const std::function<void(const ByteSink&)>& produce);
 
 /// What a trained model expects of its inputs beyond its config, for predict / eval / serve.
 struct InputSpec {
