@@ -99,8 +99,8 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_given, P
   if (blocked && torch::GradMode::is_enabled()) *blocked = BlockedConvWeights();
   // A blocked input (inference after a blocked Conv1) is made dense here, a copy of our own: its ReLU runs in
   // place on that copy rather than as a third copy of x (PrimaryCaps' input: 51 MB bf16 at batch 250).
-  const auto x = x_given.is_mkldnn() ? (separate_relu ? x_given.to_dense().relu_() : x_given.to_dense())
-                                     : (separate_relu ? torch::relu(x_given) : x_given);
+  auto x = x_given.is_mkldnn() ? x_given.to_dense() : x_given;
+  if (separate_relu) x = x_given.is_mkldnn() ? x.relu_() : torch::relu(x);
   // bf16: x in bf16, the fp32 weight and bias as they are (their gradients come back in fp32).
   if (spectral) {
     const auto xs = precision == Precision::kFloat32 ? x : x.to(dtype);
