@@ -64,14 +64,19 @@ std::array<torch::Tensor, 2> real_idft_matrices(int64_t n0, int64_t n, int64_t s
 
 // The spectra's two stages. Along the last axis, one product per sample row r (t read in place,
 // transposed): a[r] = M_last t[:, :, r, :]^T. t: [P, Q, R, S] contiguous -> a: [used0, 2 K, P Q].
-torch::Tensor last_axis_spectrum(const torch::Tensor& t, int64_t n, int64_t step, std::array<int64_t, 2> used) {
+// relu: of relu(t), a row at a time through a scratch row ([P Q, used1]): relu(t) is never made whole
+// (PrimaryCaps' input: 41 MB in fp32, on the forward's peak beside t, x's spectrum and this stage).
+torch::Tensor last_axis_spectrum(const torch::Tensor& t, int64_t n, int64_t step, std::array<int64_t, 2> used,
+                                 bool relu = false) {
   const int64_t PQ = t.size(0) * t.size(1), K = half_size(n);
   const auto tv = t.view({PQ, t.size(2), t.size(3)});
   const auto m = real_dft_matrix(n, step, used[1], t.options());  // m: [2 K, used1]
   auto a = torch::empty({used[0], 2 * K, PQ}, t.options());      // a: [r, (part, k1), PQ]
+  auto scratch = relu ? torch::empty({PQ, used[1]}, t.options()) : torch::Tensor();
   for (int64_t r = 0; r < used[0]; ++r) {
     auto ar = a[r];
-    gemm_into(ar, m, tv.select(1, r).narrow(1, 0, used[1]).t());
+    const auto row = tv.select(1, r).narrow(1, 0, used[1]);  // row: [PQ, used1]
+    gemm_into(ar, m, relu ? torch::clamp_min_out(scratch, row, 0).t() : row.t());
   }
   return a;
 }
@@ -208,6 +213,15 @@ void last_axis_inverse_into(torch::Tensor& out, const torch::Tensor& u, std::arr
 // T2 goes into the imaginary output first and T3 is accumulated last, so no scratch is needed.
 // op(t) maps a [c, ., .] batch to the product's operand (a transpose or itself).
 
+// a[0] + a[1] (sign +1) or a[0] - a[1] (sign -1) of a spectrum [2, ...], the Gauss products' third
+// operand: over a[0] in place where a is the caller's own scratch whose real part is not read again (a
+// chunk's spectrum made for this product: 5 MB of w's per fp32 column for PrimaryCaps), else new.
+torch::Tensor combined_parts(const torch::Tensor& a, int sign, bool scratch) {
+  auto re = a[0];
+  if (scratch) return sign > 0 ? re.add_(a[1]) : re.sub_(a[1]);
+  return sign > 0 ? re + a[1] : re - a[1];
+}
+
 template <class OpA, class OpB>
 void products_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, OpA op_a, OpB op_b,
                    double alpha, double beta) {
@@ -220,39 +234,41 @@ void products_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tens
 const auto as_is = [](const torch::Tensor& t) { return t; };
 const auto transposed = [](const torch::Tensor& t) { return t.transpose(1, 2); };
 
-// ys = the forward's products. xs: [2, n0, c, B, C]; xsum: [n0, c, B, C]; wts: the spectrum of w's
-// transpose (conj(W)^T's entries), [2, n0, c, C, O]: sgemm ran [100, 256] x [256, 256] 1.28x slower with
-// the right operand transposed (measured); ys: [2, n0, c, B, O].
-void forward_products(torch::Tensor& ys, const torch::Tensor& xs, const torch::Tensor& xsum, const torch::Tensor& wts) {
+// ys = the forward's products. xs: [2, n0, c, B, C]; wts: the spectrum of w's transpose (conj(W)^T's
+// entries), [2, n0, c, C, O]: sgemm ran [100, 256] x [256, 256] 1.28x slower with the right operand
+// transposed (measured); ys: [2, n0, c, B, O]. *_scratch: the operand is the caller's to overwrite.
+void forward_products(torch::Tensor& ys, const torch::Tensor& xs, bool xs_scratch, const torch::Tensor& wts,
+                      bool wts_scratch) {
   auto yr = ys[0], yi = ys[1];
   products_into(yr, xs[0], wts[0], as_is, as_is, 1.0, 0.0);                         // T1
   products_into(yi, xs[1], wts[1], as_is, as_is, 1.0, 0.0);                         // T2
   yr.add_(yi);                                                                       // T1 + T2
   yi.mul_(2).sub_(yr);                                                               // T2 - T1
-  products_into(yi, xsum, wts[0] - wts[1], as_is, as_is, 1.0, 1.0);                 // + T3
+  const auto xsum = combined_parts(xs, +1, xs_scratch), wdiff = combined_parts(wts, -1, wts_scratch);
+  products_into(yi, xsum, wdiff, as_is, as_is, 1.0, 1.0);                           // + T3
 }
 
-// dxs = the input gradient's products. dz: [2, n0, c, B, O]; ddiff = Dr - Di: [n0, c, B, O];
-// ws: [2, n0, c, O, C]; dxs: [2, n0, c, B, C].
-void input_grad_products(torch::Tensor& dxs, const torch::Tensor& dz, const torch::Tensor& ddiff,
-                         const torch::Tensor& ws) {
+// dxs = the input gradient's products. dz: [2, n0, c, B, O]; ws: [2, n0, c, O, C]; dxs: [2, n0, c, B, C].
+// Both operands are the chunk's own (overwritten).
+void input_grad_products(torch::Tensor& dxs, const torch::Tensor& dz, const torch::Tensor& ws) {
   auto dxr = dxs[0], dxi = dxs[1];
   products_into(dxr, dz[0], ws[0], as_is, as_is, 1.0, 0.0);                         // T1
   products_into(dxi, dz[1], ws[1], as_is, as_is, 1.0, 0.0);                         // T2
   dxr.sub_(dxi);                                                                     // T1 - T2
   dxi.mul_(2).add_(dxr);                                                             // T1 + T2
-  products_into(dxi, ddiff, ws[0] - ws[1], as_is, as_is, -1.0, 1.0);                // - T3
+  const auto ddiff = combined_parts(dz, -1, true), wdiff = combined_parts(ws, -1, true);
+  products_into(dxi, ddiff, wdiff, as_is, as_is, -1.0, 1.0);                        // - T3
 }
 
-// dws = the weight gradient's products. dz: [2, n0, c, B, O]; dsum = Dr + Di: [n0, c, B, O];
-// xs: [2, n0, c, B, C]; xdiff = Xr - Xi: [n0, c, B, C]; dws: [2, n0, c, O, C].
-void weight_grad_products(torch::Tensor& dws, const torch::Tensor& dz, const torch::Tensor& dsum,
-                          const torch::Tensor& xs, const torch::Tensor& xdiff) {
+// dws = the weight gradient's products. dz: [2, n0, c, B, O] (the chunk's own, overwritten);
+// xs: [2, n0, c, B, C] (read only); dws: [2, n0, c, O, C].
+void weight_grad_products(torch::Tensor& dws, const torch::Tensor& dz, const torch::Tensor& xs) {
   auto dwr = dws[0], dwi = dws[1];
   products_into(dwr, dz[0], xs[0], transposed, as_is, 1.0, 0.0);                    // T1
   products_into(dwi, dz[1], xs[1], transposed, as_is, 1.0, 0.0);                    // T2
   dwr.add_(dwi);                                                                     // T1 + T2
   dwi.mul_(-2).add_(dwr);                                                            // T1 - T2
+  const auto dsum = combined_parts(dz, +1, true), xdiff = combined_parts(xs, -1, false);
   products_into(dwi, dsum, xdiff, transposed, as_is, -1.0, 1.0);                    // - T3
 }
 
@@ -293,13 +309,14 @@ SpectralGeometry spectral_geometry(const torch::Tensor& x, const torch::Tensor& 
 
 // y = the forward through DFTs (conv2d_spectral's) of N inputs, a chunk of `columns` frequency columns k1 at
 // a time: x_columns(k1, c) gives x's spectrum for them ([2, n0, c, N, C], in `spectra` dtype) and
-// weight_columns(k1, c) w^T's ([2, n0, c, C, O], the same dtype). The products' sums in `sums` (fp32
+// weight_columns(k1, c) w^T's ([2, n0, c, C, O], the same dtype); *_scratch: whether those are made per
+// chunk (the products may overwrite them) or views of a whole spectrum. The products' sums in `sums` (fp32
 // accumulation), the inverse's first-stage buffer in the spectra's dtype (last_axis_inverse_into sums in fp32);
 // y: [N, O, P, Q] in the spectra's dtype; b: [O] or undefined.
 template <class XColumns, class WeightColumns>
 torch::Tensor spectral_forward(int64_t N, const torch::TensorOptions& spectra, const torch::Tensor& b,
                                const SpectralGeometry& g, int64_t O, int64_t columns, const torch::TensorOptions& sums,
-                               XColumns x_columns, WeightColumns weight_columns) {
+                               XColumns x_columns, bool x_scratch, WeightColumns weight_columns, bool w_scratch) {
   const int64_t n0 = g.circle[0], K = half_size(g.circle[1]);
   // The frequencies a chunk of columns k1 at a time: w's spectrum exists one chunk at a time, and each
   // chunk's inverse writes its own columns of u (the inverse's first stage) once.
@@ -310,7 +327,7 @@ torch::Tensor spectral_forward(int64_t N, const torch::TensorOptions& spectra, c
     const auto xc = x_columns(k1, c);        // xc: [2, n0, c, N, C]
     auto ys = torch::empty({2, n0 * c, N, O}, sums);
     auto ys_rows = by_rows(ys, n0);
-    forward_products(ys_rows, xc, xc[0] + xc[1], wts);
+    forward_products(ys_rows, xc, x_scratch, wts, w_scratch);
     first_axis_inverse_into(u, ys, n0, g.stride[0], g.output[0], k1);
   }
   auto y = torch::empty({N, O, g.output[0], g.output[1]}, sums);
@@ -322,9 +339,11 @@ torch::Tensor spectral_forward(int64_t N, const torch::TensorOptions& spectra, c
 using detail::as_array;
 using detail::as_vector;
 
-// The x the convolution reads: its input, or relu(input) where the ReLU is fused (contiguous either way).
-torch::Tensor convolved_input(const torch::Tensor& input, bool relu_input) {
-  return relu_input ? torch::relu(input.contiguous()) : input.contiguous();
+// The spectrum of the x the convolution reads: its input, or relu(input) where the ReLU is fused (applied
+// a row at a time inside the last-axis stage). Returns [2, F, N, C].
+torch::Tensor input_spectrum(const torch::Tensor& input, bool relu_input, std::array<int64_t, 2> circle) {
+  const auto a = last_axis_spectrum(input.contiguous(), circle[1], 1, circle, relu_input);
+  return first_axis_spectrum(a, circle[0], 1, 0, half_size(circle[1]), input.size(0), input.size(1));
 }
 
 class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFunction> {
@@ -335,14 +354,13 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     const auto w = w_in.contiguous();
     const auto g = spectral_geometry(input, w, stride);
     const int64_t C = input.size(1), O = w.size(0);
-    // x's spectrum first: its last-axis stage is freed before w's (fp32: 47 MB) is made. relu(input) lives
-    // only until its spectrum is made.
-    const auto xs = real_spectrum(convolved_input(input, relu_input), g.circle, {1, 1}, g.circle);  // [2, F, N, C]
+    // x's spectrum first: its last-axis stage is freed before w's (fp32: 47 MB) is made.
+    const auto xs = input_spectrum(input, relu_input, g.circle);  // xs: [2, F, N, C]
     const auto wt_spectrum = transposed_kernel_spectrum(w, input.scalar_type(), g.circle);
     const auto y = spectral_forward(
         input.size(0), xs.options(), b, g, O, columns_per_chunk(g.circle[0], O, C, input.element_size(), chunk_bytes),
-        w.options(), [&](int64_t k1, int64_t c) { return spectrum_columns(xs, g.circle[0], k1, c); },
-        [&](int64_t k1, int64_t c) { return by_rows(wt_spectrum.columns(k1, c), g.circle[0]); });
+        w.options(), [&](int64_t k1, int64_t c) { return spectrum_columns(xs, g.circle[0], k1, c); }, false,
+        [&](int64_t k1, int64_t c) { return by_rows(wt_spectrum.columns(k1, c), g.circle[0]); }, true);
     // The backward needs x through its spectrum (about x's size), kept apart so that the backward can free
     // it once the weight gradient is done. The input is kept too, outside the saved variables, so that the
     // backward can let it go as soon as it has what it needs (ReLU's sign bits; nothing without ReLU)
@@ -385,7 +403,7 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
       xs = ctx->saved_data["x_spectrum"].toTensor();
       ctx->saved_data.erase("x_spectrum");
     } else if (ctx->needs_input_grad(1)) {
-      xs = real_spectrum(convolved_input(input, relu_input), circle, {1, 1}, circle);
+      xs = input_spectrum(input, relu_input, circle);
     }
     // ReLU's backward needs only the input's signs: one bit each.
     const auto positive = relu_input && ctx->needs_input_grad(0) ? positive_bits(input) : torch::Tensor();
@@ -396,23 +414,28 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     // dy sits at the strided positions of the full correlation's output. Its spectrum is made a chunk of
     // columns at a time from the last-axis stage (both loops make it: a first-axis product of `output[0]`
     // terms, where the whole spectrum would sit on the peak: 19.5 MB bf16 for PrimaryCaps, 3.9 per chunk).
-    const auto dy_last_axis = last_axis_spectrum(dy.to(spectrum_dtype), circle[1], stride[1], output);
+    auto dy_last_axis = last_axis_spectrum(dy.to(spectrum_dtype), circle[1], stride[1], output);
     const auto dz_columns = [&](int64_t k1, int64_t c) {  // [2, n0, c, N, O]
       return by_rows(first_axis_spectrum(dy_last_axis, n0, stride[0], k1, c, N, O), n0);
     };
     torch::Tensor dx, dw, db;
+    // Each loop's operands go before its last stage makes the gradient: the input gradient's last stage
+    // would otherwise hold w's last-axis stage and dy's (fp32 PrimaryCaps: 47 + 12 MB) beside u and dx.
     const auto input_gradient = [&] {
-      const KernelSpectrum w_spectrum(w.to(spectrum_dtype), circle);
       auto u = torch::empty({2 * n0, K * N * C}, dy_last_axis.options());
-      for (int64_t k1 = 0; k1 < K; k1 += columns) {
-        const int64_t c = std::min(columns, K - k1);
-        const auto ws = w_spectrum.columns(k1, c);  // ws: [2, n0 c, O, C]
-        const auto dzc = dz_columns(k1, c);
-        auto dxs = torch::empty({2, n0 * c, N, C}, sums);
-        auto dxs_rows = by_rows(dxs, n0);
-        input_grad_products(dxs_rows, dzc, dzc[0] - dzc[1], by_rows(ws, n0));
-        first_axis_inverse_into(u, dxs, n0, 1, n0, k1);
+      {
+        const KernelSpectrum w_spectrum(w.to(spectrum_dtype), circle);
+        for (int64_t k1 = 0; k1 < K; k1 += columns) {
+          const int64_t c = std::min(columns, K - k1);
+          const auto ws = w_spectrum.columns(k1, c);  // ws: [2, n0 c, O, C]
+          const auto dzc = dz_columns(k1, c);
+          auto dxs = torch::empty({2, n0 * c, N, C}, sums);
+          auto dxs_rows = by_rows(dxs, n0);
+          input_grad_products(dxs_rows, dzc, by_rows(ws, n0));
+          first_axis_inverse_into(u, dxs, n0, 1, n0, k1);
+        }
       }
+      dy_last_axis = torch::Tensor();  // the input gradient's loop runs last
       dx = torch::empty({N, C, input_size[0], input_size[1]}, input_options);
       // Rows and columns past the circle were never read: zero gradient.
       dx.narrow(2, circle[0], input_size[0] - circle[0]).zero_();
@@ -427,9 +450,10 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
         const auto dzc = dz_columns(k1, c), xc = spectrum_columns(xs, n0, k1, c);
         auto dws = torch::empty({2, n0 * c, O, C}, sums);
         auto dws_rows = by_rows(dws, n0);
-        weight_grad_products(dws_rows, dzc, dzc[0] + dzc[1], xc, xc[0] - xc[1]);
+        weight_grad_products(dws_rows, dzc, xc);
         first_axis_inverse_into(u, dws, n0, 1, kernel[0], k1);
       }
+      xs = torch::Tensor();
       dw = torch::empty(w.sizes(), w.options());
       last_axis_inverse_into(dw, u, circle, 1, kernel);
     };
@@ -510,8 +534,8 @@ torch::Tensor conv2d_spectral_inference(const torch::Tensor& x_in, const torch::
   const int64_t N = x.size(0);
   return spectral_forward(
       N, x.options(), b, g, O, columns_per_chunk(n0, O, C, x.element_size(), chunk_bytes), sums,
-      [&](int64_t k1, int64_t c) { return by_rows(first_axis_spectrum(x_last_axis, n0, 1, k1, c, N, C), n0); },
-      [&](int64_t k1, int64_t c) { return spectrum_columns(w_spectrum, n0, k1, c); });
+      [&](int64_t k1, int64_t c) { return by_rows(first_axis_spectrum(x_last_axis, n0, 1, k1, c, N, C), n0); }, true,
+      [&](int64_t k1, int64_t c) { return spectrum_columns(w_spectrum, n0, k1, c); }, false);
 }
 
 namespace {
