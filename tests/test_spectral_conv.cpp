@@ -340,6 +340,35 @@ TEST(SpectralConv, TheKeptSpectrumFollowsTheWeight) {
   }
 }
 
+// prepare_conv2d_at makes, without an input, the spectrum that conv2d_at would keep for one of those sizes
+// (the call after it makes none), and nothing under autograd, for a batch too small for the spectral
+// inference or where the convolution does not take the spectral form.
+TEST(SpectralConv, PrepareMakesTheSpectrumTheCallWouldKeep) {
+  torch::manual_seed(15);
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(32, 8, 9).stride(2));
+  const int64_t B = nn::kSpectralInferenceMinBatch;
+  nn::BlockedConvWeights blocked;
+  nn::prepare_conv2d_at(conv, {B, 32, 20, 20}, nn::Precision::kFloat32, &blocked);
+  EXPECT_EQ(blocked.spectra(), 0) << "autograd on: conv2d_at would keep nothing";
+  torch::NoGradGuard no_grad;
+  nn::prepare_conv2d_at(conv, {B - 1, 32, 20, 20}, nn::Precision::kFloat32, &blocked);
+  nn::prepare_conv2d_at(conv, {B, 32, 9, 9}, nn::Precision::kFloat32, &blocked);  // a 1 x 1 output: direct
+  EXPECT_EQ(blocked.spectra(), 0);
+  nn::prepare_conv2d_at(conv, {B, 32, 20, 20}, nn::Precision::kFloat32, &blocked);
+  EXPECT_EQ(blocked.spectra(), 1);
+  const auto x = torch::rand({B, 32, 20, 20});
+  const auto y = nn::conv2d_at(conv, x, nn::Precision::kFloat32, &blocked);
+  EXPECT_EQ(blocked.spectra(), 1) << "the call found the prepared spectrum";
+  const auto ref = conv->forward(x);
+  EXPECT_LT((y - ref).abs().max().item<double>() / ref.abs().max().item<double>(), 1e-5);
+  if (nn::cpu_has_native_bf16()) {
+    nn::prepare_conv2d_at(conv, {B, 32, 20, 20}, nn::Precision::kBFloat16, &blocked);
+    EXPECT_EQ(blocked.spectra(), 2);
+    nn::conv2d_at(conv, x, nn::Precision::kBFloat16, &blocked);
+    EXPECT_EQ(blocked.spectra(), 2) << "bf16: the prepared spectrum has the dtype the call uses";
+  }
+}
+
 TEST(Gemm, EqualsMatmulForEveryLayout) {
   torch::manual_seed(7);
   for (const auto dtype : {torch::kFloat, torch::kDouble}) {

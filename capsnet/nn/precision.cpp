@@ -78,39 +78,59 @@ bool use_spectral_conv(const torch::nn::detail::ConvNdOptions<2>& o, int64_t in_
                                 {s->at(0), s->at(1)});
 }
 
-torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x_given, Precision precision,
-                        BlockedConvWeights* blocked, bool relu_input) {
+namespace {
+// Whether conv2d_at runs conv on a CPU input of x_sizes through DFTs (5x fewer multiply-adds for
+// PrimaryCaps-like convolutions; in bf16 with spectra and products in bf16 and fp32 sums: docs/kernels.md,
+// "Spectral convolution").
+bool spectral_at(const torch::nn::Conv2d& conv, torch::IntArrayRef x_sizes, Precision precision) {
+  return x_sizes.size() == 4 && (precision == Precision::kFloat32 || conv->weight.scalar_type() == torch::kFloat) &&
+         use_spectral_conv(conv->options, x_sizes[2], x_sizes[3]) &&
+         (torch::GradMode::is_enabled() || x_sizes[0] >= kSpectralInferenceMinBatch);
+}
+}  // namespace
+
+void prepare_conv2d_at(torch::nn::Conv2d& conv, torch::IntArrayRef x_sizes, Precision precision,
+                       BlockedConvWeights* blocked) {
+  if (!blocked || torch::GradMode::is_enabled() || !conv->weight.device().is_cpu() ||
+      !spectral_at(conv, x_sizes, precision))
+    return;
+  const auto dtype = precision == Precision::kFloat32 ? conv->weight.scalar_type() : compute_dtype(precision);
+  blocked->spectrum(conv, dtype, {x_sizes[2], x_sizes[3]});
+}
+
+torch::Tensor conv2d_at(torch::nn::Conv2d& conv, torch::Tensor x, Precision precision, BlockedConvWeights* blocked,
+                        bool relu_input) {
   const auto dtype = compute_dtype(precision);
   const auto& o = conv->options;
-  // PrimaryCaps-like convolutions through DFTs (5x fewer multiply-adds), in bf16 with spectra and products
-  // in bf16 and fp32 sums (docs/kernels.md, "Spectral convolution").
-  const bool spectral = x_given.dim() == 4 && x_given.device().is_cpu() &&
-                        (precision == Precision::kFloat32 || conv->weight.scalar_type() == torch::kFloat) &&
-                        use_spectral_conv(o, x_given.size(-2), x_given.size(-1)) &&
-                        (torch::GradMode::is_enabled() || x_given.size(0) >= kSpectralInferenceMinBatch);
+  const bool spectral = x.device().is_cpu() && spectral_at(conv, x.sizes(), precision);
   // The ReLU is fused only into the spectral form's backward (conv2d_spectral_relu); elsewhere it runs first.
   const bool fused_relu = relu_input && spectral && torch::GradMode::is_enabled();
   const bool separate_relu = relu_input && !fused_relu;
-  if (!spectral && blocked && BlockedConvWeights::usable(conv, x_given, dtype))
-    return blocked->forward(conv, separate_relu ? torch::relu(x_given) : x_given, dtype);
+  if (!spectral && blocked && BlockedConvWeights::usable(conv, x, dtype))
+    return blocked->forward(conv, separate_relu ? torch::relu(x) : x, dtype);
   // A forward under autograd is training: the optimizer step after it may change the weights without
   // bumping their version counter (LibTorch 1.13's SGD updates p.data()), so the kept blocked weights
   // are dropped here and the next inference call reorders afresh (as it must after any step anyway).
   if (blocked && torch::GradMode::is_enabled()) *blocked = BlockedConvWeights();
-  // A blocked input (inference after a blocked Conv1) is made dense here, a copy of our own: its ReLU runs in
-  // place on that copy rather than as a third copy of x (PrimaryCaps' input: 51 MB bf16 at batch 250).
-  auto x = x_given.is_mkldnn() ? x_given.to_dense() : x_given;
-  if (separate_relu) x = x_given.is_mkldnn() ? x.relu_() : torch::relu(x);
+  // A blocked input (inference after a blocked Conv1) is made dense here, a copy of our own (the blocked one
+  // goes with the assignment): its ReLU runs in place on that copy rather than as a third copy of x
+  // (PrimaryCaps' input: 51 MB bf16 at batch 250).
+  const bool was_blocked = x.is_mkldnn();
+  if (was_blocked) x = x.to_dense();
+  if (separate_relu) x = was_blocked ? x.relu_() : torch::relu(x);
   // bf16: x in bf16, the fp32 weight and bias as they are (their gradients come back in fp32).
   if (spectral) {
-    const auto xs = precision == Precision::kFloat32 ? x : x.to(dtype);
+    if (precision != Precision::kFloat32) x = x.to(dtype);
     const std::array<int64_t, 2> stride{o.stride()->at(0), o.stride()->at(1)};
-    // Inference with a cache to keep it in: the weight's spectrum is made once per weight update.
-    if (blocked && !torch::GradMode::is_enabled())
-      return conv2d_spectral_inference(xs, blocked->spectrum(conv, xs.scalar_type(), {x.size(2), x.size(3)}),
-                                       conv->bias, {o.kernel_size()->at(0), o.kernel_size()->at(1)}, stride);
-    return fused_relu ? conv2d_spectral_relu(xs, conv->weight, conv->bias, stride)
-                      : conv2d_spectral(xs, conv->weight, conv->bias, stride);
+    // Inference with a cache to keep it in: the weight's spectrum is made once per weight update; x is
+    // handed over (the inference lets it go once its last-axis stage is made).
+    if (blocked && !torch::GradMode::is_enabled()) {
+      const auto w_spectrum = blocked->spectrum(conv, x.scalar_type(), {x.size(2), x.size(3)});
+      return conv2d_spectral_inference(std::move(x), w_spectrum, conv->bias,
+                                       {o.kernel_size()->at(0), o.kernel_size()->at(1)}, stride);
+    }
+    return fused_relu ? conv2d_spectral_relu(x, conv->weight, conv->bias, stride)
+                      : conv2d_spectral(x, conv->weight, conv->bias, stride);
   }
   // Many input channels and a small output: oneDNN's bf16 weight gradient is ~2x slower than the same
   // FLOPs as a forward convolution, and its backward-data kernel for a strided one 1.55x (bf16) / 1.3x

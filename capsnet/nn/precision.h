@@ -78,8 +78,15 @@ constexpr int64_t kSpectralInferenceMinBatch = 32;
 /// to_dense() where it leaves its convolution stack. A blocked x is accepted either way.
 /// relu_input: convolve relu(x) instead (Conv1 -> ReLU -> PrimaryCaps); in the spectral form under autograd
 /// the ReLU is fused into it (conv2d_spectral_relu: its backward keeps one bit per element of x, not relu(x)).
-torch::Tensor conv2d_at(torch::nn::Conv2d& conv, const torch::Tensor& x, Precision precision,
+/// x is taken by value: a caller that moves it in lets the spectral inference drop it (or a blocked x once
+/// its dense copy is made) before the products (PrimaryCaps' input at batch 100: 41 MB fp32 each).
+torch::Tensor conv2d_at(torch::nn::Conv2d& conv, torch::Tensor x, Precision precision,
                         BlockedConvWeights* blocked = nullptr, bool relu_input = false);
+/// Makes ahead what conv2d_at(conv, x, precision, blocked) keeps in `blocked` for an x of x_sizes [N, C, H, W]
+/// without autograd (the spectral form's weight spectrum; nothing where conv2d_at keeps nothing), so that a
+/// caller can make it before x exists. x's dtype: the master weight's in fp32, bf16 in bf16.
+void prepare_conv2d_at(torch::nn::Conv2d& conv, torch::IntArrayRef x_sizes, Precision precision,
+                       BlockedConvWeights* blocked);
 /// linear(x) likewise.
 torch::Tensor linear_at(torch::nn::Linear& linear, const torch::Tensor& x, Precision precision);
 

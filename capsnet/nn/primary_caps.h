@@ -24,7 +24,11 @@ class PrimaryCapsImpl : public torch::nn::Cloneable<PrimaryCapsImpl> {
   void reset() override;
   /// relu_input: squash(conv(relu(x))) (the CapsNet's Conv1 -> ReLU), the ReLU fused into the convolution
   /// where conv2d_at can (nn/precision.h): less memory held for the backward.
-  torch::Tensor forward(const torch::Tensor& x, Precision precision = Precision::kFloat32, bool relu_input = false);
+  /// x by value: a moved-in x is let go inside the convolution where it can (conv2d_at).
+  torch::Tensor forward(torch::Tensor x, Precision precision = Precision::kFloat32, bool relu_input = false);
+  /// Makes ahead what an inference forward on an x of x_sizes [B, C, H, W] keeps (nn::prepare_conv2d_at), so
+  /// that a caller can make it before x exists.
+  void prepare(torch::IntArrayRef x_sizes, Precision precision);
 
   PrimaryCapsOptions options;
   torch::nn::Conv2d conv{nullptr};

@@ -510,19 +510,19 @@ torch::Tensor conv2d_spectral_weight_spectrum(const torch::Tensor& w, std::array
   return transposed_kernel_spectrum(w, dtype, g.circle).columns(0, half_size(g.circle[1]));  // [2, n0 K, C, O]
 }
 
-torch::Tensor conv2d_spectral_inference(const torch::Tensor& x_in, const torch::Tensor& w_spectrum,
+torch::Tensor conv2d_spectral_inference(torch::Tensor x, const torch::Tensor& w_spectrum,
                                         const torch::Tensor& b, std::array<int64_t, 2> kernel,
                                         std::array<int64_t, 2> stride, int64_t chunk_bytes) {
-  TORCH_CHECK(!torch::GradMode::is_enabled() || !x_in.requires_grad(),
+  TORCH_CHECK(!torch::GradMode::is_enabled() || !x.requires_grad(),
               "conv2d_spectral_inference: no gradients through a kept weight spectrum; use conv2d_spectral");
-  TORCH_CHECK(x_in.dim() == 4 && x_in.device().is_cpu() && w_spectrum.dim() == 4 && w_spectrum.size(0) == 2 &&
-                  w_spectrum.size(2) == x_in.size(1) && x_in.scalar_type() == w_spectrum.scalar_type(),
+  TORCH_CHECK(x.dim() == 4 && x.device().is_cpu() && w_spectrum.dim() == 4 && w_spectrum.size(0) == 2 &&
+                  w_spectrum.size(2) == x.size(1) && x.scalar_type() == w_spectrum.scalar_type(),
               "conv2d_spectral_inference: x [N, C, H, W] and a weight spectrum [2, F, C, O] of x's dtype, got ",
-              x_in.sizes(), " ", x_in.scalar_type(), " and ", w_spectrum.sizes(), " ", w_spectrum.scalar_type());
-  TORCH_CHECK(stride[0] >= 1 && stride[1] >= 1 && kernel[0] >= 1 && kernel[1] >= 1 && x_in.size(2) >= kernel[0] &&
-                  x_in.size(3) >= kernel[1],
+              x.sizes(), " ", x.scalar_type(), " and ", w_spectrum.sizes(), " ", w_spectrum.scalar_type());
+  TORCH_CHECK(stride[0] >= 1 && stride[1] >= 1 && kernel[0] >= 1 && kernel[1] >= 1 && x.size(2) >= kernel[0] &&
+                  x.size(3) >= kernel[1],
               "conv2d_spectral_inference: stride and kernel must be positive and the kernel no larger than the input");
-  const auto x = x_in.contiguous();
+  x = x.contiguous();
   const auto g = geometry_for({x.size(2), x.size(3)}, kernel, stride);
   const int64_t C = x.size(1), O = w_spectrum.size(3), n0 = g.circle[0];
   TORCH_CHECK(w_spectrum.size(1) == n0 * half_size(g.circle[1]),
@@ -531,9 +531,11 @@ torch::Tensor conv2d_spectral_inference(const torch::Tensor& x_in, const torch::
   // x's spectrum a chunk of columns at a time from its last-axis stage: nothing keeps it for a backward, and
   // the whole of it would sit beside that stage (each about x's size: 49 MB each for bf16 at batch 250).
   const auto x_last_axis = last_axis_spectrum(x, g.circle[1], 1, g.circle);  // [circle0, 2 K, N C]
-  const int64_t N = x.size(0);
+  const int64_t N = x.size(0), element_size = x.element_size();
+  const auto spectra = x.options();
+  x = torch::Tensor();  // the products read x's last-axis stage only (a caller that moved x in frees it here)
   return spectral_forward(
-      N, x.options(), b, g, O, columns_per_chunk(n0, O, C, x.element_size(), chunk_bytes), sums,
+      N, spectra, b, g, O, columns_per_chunk(n0, O, C, element_size, chunk_bytes), sums,
       [&](int64_t k1, int64_t c) { return by_rows(first_axis_spectrum(x_last_axis, n0, 1, k1, c, N, C), n0); }, true,
       [&](int64_t k1, int64_t c) { return spectrum_columns(w_spectrum, n0, k1, c); }, false);
 }
