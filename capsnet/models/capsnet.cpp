@@ -10,10 +10,9 @@
 
 namespace capsnet::models {
 
-int64_t CapsNetConfig::primary_grid() const {
-  const int64_t after_conv1 = image_size - conv1_kernel + 1;
-  return (after_conv1 - primary_kernel) / primary_stride + 1;
-}
+int64_t CapsNetConfig::conv1_grid() const { return image_size - conv1_kernel + 1; }
+
+int64_t CapsNetConfig::primary_grid() const { return (conv1_grid() - primary_kernel) / primary_stride + 1; }
 
 int64_t CapsNetConfig::num_primary_caps() const { return primary_types * primary_grid() * primary_grid(); }
 
@@ -33,7 +32,7 @@ void CapsNetConfig::validate() const {
   positive("digit_dim", digit_dim);
   positive("routing_iterations", routing_iterations);
   if (num_classes < 2) throw std::invalid_argument("model config: num_classes must be at least 2");
-  if (image_size - conv1_kernel + 1 < primary_kernel)
+  if (conv1_grid() < primary_kernel)
     throw std::invalid_argument(fmt::format(
         "model config: image_size {} is too small for conv1_kernel {} followed by primary_kernel {}", image_size,
         conv1_kernel, primary_kernel));
@@ -105,8 +104,7 @@ CapsNetOutput CapsNetImpl::forward(const torch::Tensor& images, const std::optio
   // PrimaryCaps' (relu_input): fused into its convolution where that can (nn/precision.h). Its inference
   // caches (the spectral form's weight spectrum after each weight update) are made before Conv1's output
   // exists, and that output is handed over, not held here.
-  const int64_t after_conv1 = config.image_size - config.conv1_kernel + 1;
-  primary_caps->prepare({x.size(0), config.conv1_channels, after_conv1, after_conv1}, precision_);
+  primary_caps->prepare({x.size(0), config.conv1_channels, config.conv1_grid(), config.conv1_grid()}, precision_);
   auto u = primary_caps(nn::conv2d_at(conv1, x, precision_, &conv1_blocked_), precision_, /*relu_input=*/true);  // [B, I, 8]
   out.digit_caps = digit_caps(u);                      // [B, K, 16]
   out.lengths = capsule_length(out.digit_caps);        // [B, K]

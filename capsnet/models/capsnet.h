@@ -34,6 +34,8 @@ struct CapsNetConfig {
   double reconstruction_scale = 0.0005;
   bool stn = false;  // a SpatialTransformer warps the input first (Jaderberg et al. 2015); absent in old configs
 
+  /// Side of Conv1's output (20 for the paper's model: a valid 9 x 9 convolution of 28 x 28).
+  int64_t conv1_grid() const;
   /// Side of the PrimaryCaps grid (6 for the paper's model).
   int64_t primary_grid() const;
   /// Number of primary capsules I (1152 for the paper's model).

@@ -94,6 +94,13 @@ torch::Tensor first_axis_spectrum(const torch::Tensor& a, int64_t n, int64_t ste
   return spec;
 }
 
+// real_spectrum's two stages (unchecked), of relu(t) where `relu`.
+torch::Tensor two_stage_spectrum(const torch::Tensor& t, std::array<int64_t, 2> n, std::array<int64_t, 2> step,
+                                 std::array<int64_t, 2> used, bool relu) {
+  const auto a = last_axis_spectrum(t, n[1], step[1], used, relu);
+  return first_axis_spectrum(a, n[0], step[0], 0, half_size(n[1]), t.size(0), t.size(1));
+}
+
 // The 2-D DFT of K0 x K1 samples (step 1) for the frequency columns k1 in [k_begin, k_begin + count): rows
 // (part, k0, k1), columns (r, s); part 0 = cos, 1 = -sin of 2 pi (k0 r / n0 + k1 s / n1).
 torch::Tensor kernel_dft_matrix(std::array<int64_t, 2> n, std::array<int64_t, 2> kernel, int64_t k_begin,
@@ -342,8 +349,7 @@ using detail::as_vector;
 // The spectrum of the x the convolution reads: its input, or relu(input) where the ReLU is fused (applied
 // a row at a time inside the last-axis stage). Returns [2, F, N, C].
 torch::Tensor input_spectrum(const torch::Tensor& input, bool relu_input, std::array<int64_t, 2> circle) {
-  const auto a = last_axis_spectrum(input.contiguous(), circle[1], 1, circle, relu_input);
-  return first_axis_spectrum(a, circle[0], 1, 0, half_size(circle[1]), input.size(0), input.size(1));
+  return two_stage_spectrum(input.contiguous(), circle, {1, 1}, circle, relu_input);
 }
 
 class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFunction> {
@@ -485,8 +491,7 @@ torch::Tensor real_spectrum(const torch::Tensor& t, std::array<int64_t, 2> n, st
               "real_spectrum: uses more samples than t has");
   TORCH_CHECK(step[0] * (used[0] - 1) < n[0] && step[1] * (used[1] - 1) < n[1],
               "real_spectrum: the samples do not fit the circle");
-  const auto a = last_axis_spectrum(t, n[1], step[1], used);
-  return first_axis_spectrum(a, n[0], step[0], 0, half_size(n[1]), t.size(0), t.size(1));
+  return two_stage_spectrum(t, n, step, used, false);
 }
 
 void inverse_real_spectrum_into(torch::Tensor& out, const torch::Tensor& spec, std::array<int64_t, 2> n,

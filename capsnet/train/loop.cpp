@@ -363,15 +363,15 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
         if (!std::isfinite(v))
           throw TrainingDiverged(fmt::format("{}: {} is {} at step {} (epoch {}); stopping. {}", task.name(), name, v,
                                              step, epoch + 1, last_good()));
-    } else if (group) {
-      // The loss is a mean over this rank's b rows; weighting it by b * W / B before the average
-      // over W ranks gives sum_r (b_r / B) grad_r, the gradient of the mean over the global batch.
-      (loss.total * (static_cast<double>(rows.size()) * world / len)).backward();
-      reducer->average();
-      optimizer->step();
-      clear_grads(*optimizer);
     } else {
-      loss.total.backward();
+      if (group) {
+        // The loss is a mean over this rank's b rows; weighting it by b * W / B before the average
+        // over W ranks gives sum_r (b_r / B) grad_r, the gradient of the mean over the global batch.
+        (loss.total * (static_cast<double>(rows.size()) * world / len)).backward();
+        reducer->average();
+      } else {
+        loss.total.backward();
+      }
       optimizer->step();
       // The gradients go as soon as the step has used them: the next forward, the evaluations and the
       // checkpoints between steps do not hold them (CapsNet: 33 MB in fp32, on the forward's peak).
