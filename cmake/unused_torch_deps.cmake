@@ -4,7 +4,7 @@
 # Caffe2's image, video and database operators) without referencing a single symbol of theirs: they were
 # linked without --as-needed. Loading them pulls in ~200 more shared libraries (GDAL, Qt, GStreamer,
 # Poppler, the video codecs...): 291 libraries in all for the `capsnet` executable, ~66 MB of resident
-# memory before main() and ~0.1 s of start-up in every process (docs/kernels.md, "Fourth pass").
+# memory before main() and ~0.1 s of start-up in every process (docs/kernels.md, "Libraries LibTorch never calls").
 #
 # For each such library this builds an empty shared library with the same soname (here, in
 # ${CMAKE_BINARY_DIR}/unused_torch_deps/) and capsnet_skip_unused_torch_deps(target) links it into an

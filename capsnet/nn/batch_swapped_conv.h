@@ -8,7 +8,8 @@
 // channels), stride d, dilation s) -> [C, O, K, K], transposed back to [O, C, K, K].
 // Why: oneDNN 2.6 (Debian's LibTorch 1.13) runs the PrimaryCaps weight gradient (256 -> 256, 9x9,
 // stride 2, 20x20 -> 6x6, batch 100) in bf16 about 2x slower than its forward kernel on the same
-// FLOPs; the swapped form runs on that forward kernel (docs/kernels.md, "bf16 weight gradient").
+// FLOPs; the swapped form runs on that forward kernel (docs/kernels.md, "Batch-swapped weight gradient and
+// stride-phase input gradient").
 // In fp32 and for few input channels (Conv1: 1) oneDNN's own weight gradient is as fast or faster,
 // so nn::conv2d_at uses this only for bf16 convolutions with many input channels.
 //
@@ -19,8 +20,8 @@
 //
 // a full (zero-padded) correlation of dy with the phase's sub-kernel, flipped and with in/out swapped.
 // Why: oneDNN 2.6's backward-data kernel takes 104 ms (bf16) / 160 ms (fp32) for PrimaryCaps' input
-// gradient at batch 100, its forward kernel 67 / 125 ms for the four phases (docs/kernels.md, "Input
-// gradient by stride phases").
+// gradient at batch 100, its forward kernel 67 / 125 ms for the four phases (docs/kernels.md, same
+// section).
 
 #include <torch/torch.h>
 

@@ -4,7 +4,7 @@
 // Why: LibTorch 1.13's torch::linear in fp32 runs on OpenBLAS, whose kernels on these CPUs (with the
 // OPENBLAS_CORETYPE=Haswell this machine's environment presets) took 8.9-27 ms for the CapsNet decoder's
 // three layers at batch 100 (forward and both gradients), oneDNN's sgemm 2.8 ms (docs/kernels.md,
-// "Third pass", "The decoder on oneDNN's sgemm").
+// "GEMM into strided views on oneDNN sgemm").
 
 #include <torch/torch.h>
 

@@ -81,7 +81,7 @@ bool use_spectral_conv(const torch::nn::detail::ConvNdOptions<2>& o, int64_t in_
 namespace {
 // Whether conv2d_at runs conv on a CPU input of x_sizes through DFTs (5x fewer multiply-adds for
 // PrimaryCaps-like convolutions; in bf16 with spectra and products in bf16 and fp32 sums: docs/kernels.md,
-// "Spectral convolution").
+// "Spectral convolution for PrimaryCaps").
 bool spectral_at(const torch::nn::Conv2d& conv, torch::IntArrayRef x_sizes, Precision precision) {
   return x_sizes.size() == 4 && (precision == Precision::kFloat32 || conv->weight.scalar_type() == torch::kFloat) &&
          use_spectral_conv(conv->options, x_sizes[2], x_sizes[3]) &&

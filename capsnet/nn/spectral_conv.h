@@ -21,7 +21,7 @@
 // took 82-100 ms against 148-164 ms in oneDNN's direct kernels, both gradients 126-141 ms against ~300;
 // with the frequencies in chunks of columns, forward + backward 154-157 ms against 183-187 before; in
 // bf16 97-106 ms, against 144-159 in fp32 and ~144 for oneDNN's bf16 kernels (docs/kernels.md,
-// "Spectral convolution").
+// "Spectral convolution for PrimaryCaps").
 // The DFTs are matrix products too (the sizes are small and not powers of two, where PyTorch 1.13's
 // pocketfft was measured 0.2 s for the input's rfft2 alone). Rounding: the transforms are orthogonal up
 // to scale, so fp32 errors stay ~1e-6 of the output's norm; bf16's 3-6e-3 of the largest entry, against

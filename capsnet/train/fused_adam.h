@@ -4,8 +4,8 @@
 // Why: LibTorch's step runs six ATen kernels per parameter (mul_, add_, mul_, addcmul_, sqrt / div /
 // add_, addcdiv_), reading and writing the moments several times and allocating `sqrt(v) / c + eps`:
 // 8.8-9.0 ms per CapsNet step (8.2M parameters, 2 threads), 6% of a bf16 training step. One pass reads p,
-// g, m and v once and writes p, m and v once: 3.3 ms, 2.7-3.0 on both threads (docs/kernels.md, "Third pass",
-// "A fused Adam"; "Fourth pass").
+// g, m and v once and writes p, m and v once: 3.3 ms, 2.7-3.0 on both threads (docs/kernels.md,
+// "Fused Adam").
 //
 // The same arithmetic in the same order as the ATen kernels of Debian's LibTorch 1.13 (each rounding where
 // they round: m = fma(g, 1 - b1, m b1), v = fma((1 - b2) g, g, v b2) (its addcmul_ is compiled into an
