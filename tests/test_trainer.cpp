@@ -2,11 +2,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/evaluate.h"
 #include "capsnet/train/trainer.h"
 #include "test_helpers.h"
 
@@ -120,6 +122,129 @@ TEST(TrainerTest, LearningRateDecaysPerEpoch) {
   EXPECT_DOUBLE_EQ(lrs[0], o.lr);                  // step 0
   EXPECT_DOUBLE_EQ(lrs[1], o.lr * std::sqrt(0.5));  // half an epoch
   EXPECT_DOUBLE_EQ(lrs[2], o.lr * 0.5);             // one epoch
+}
+
+TEST(TrainerTest, LearningRateDecaysPerPeriodOfSteps) {
+  // The authors' schedule: x lr_decay every lr_decay_steps steps, whatever the epoch length (smoothly).
+  auto set = testing::synthetic_set(32, 12, 4);  // 2 steps per epoch
+  TempDir dir;
+  std::ostringstream log;
+  auto o = tiny_options(dir / "run");
+  o.max_steps = 5;
+  o.log_every = 1;
+  o.lr_decay = 0.5;
+  o.lr_decay_steps = 4;
+  train::train(o, set, nullptr, log);
+  std::vector<double> lrs;
+  for (const auto& j : read_jsonl(train::metrics_path(o.out_dir)))
+    if (j["event"] == "train") lrs.push_back(j["lr"].get<double>());
+  ASSERT_EQ(lrs.size(), 5u);
+  EXPECT_DOUBLE_EQ(lrs[0], o.lr);
+  EXPECT_DOUBLE_EQ(lrs[2], o.lr * std::sqrt(0.5));  // 2 steps = half a period (one epoch)
+  EXPECT_DOUBLE_EQ(lrs[4], o.lr * 0.5);             // 4 steps = one period
+
+  o.lr_decay_steps = -1;
+  EXPECT_THROW(o.validate(), std::invalid_argument);
+}
+
+TEST(TrainerTest, AResumeWithAnotherDecayPeriodIsRefused) {
+  auto set = testing::synthetic_set(32, 12, 4);
+  TempDir dir;
+  std::ostringstream log;
+  auto o = tiny_options(dir / "run");
+  o.max_steps = 2;
+  auto first = train::train(o, set, nullptr, log);
+  auto rest = tiny_options(dir / "rest");
+  rest.max_steps = 4;
+  rest.lr_decay_steps = 2000;
+  rest.resume = first.checkpoint;
+  try {
+    train::train(rest, set, nullptr, log);
+    FAIL() << "expected a refusal";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("lr_decay_steps"), std::string::npos) << e.what();
+  }
+}
+
+TEST(TrainerTest, ValidationSplitIsTheLastExamplesAndPicksTheBestCheckpoint) {
+  auto set = testing::synthetic_set(64, 12, 6);  // 48 train (3 steps per epoch) + 16 validation
+  auto test = testing::synthetic_set(24, 12, 7);
+  TempDir dir;
+  std::ostringstream log;
+  auto o = tiny_options(dir / "run");
+  o.validation_size = 16;
+  o.epochs = 4;
+  auto r = train::train(o, set, &test, log);
+  EXPECT_EQ(r.losses.size(), 12u) << "the held-out examples are not trained on";
+  ASSERT_TRUE(r.validation && r.test);
+  EXPECT_EQ(r.validation->examples, 16);
+  EXPECT_EQ(r.test->examples, 24);
+
+  // The split is the last 16 examples: the validation result equals an evaluation of the final weights
+  // on exactly those rows.
+  auto model = train::load_model(r.checkpoint);
+  data::ImageSet last{set.images.narrow(0, 48, 16), set.labels.narrow(0, 48, 16)};
+  EXPECT_DOUBLE_EQ(train::evaluate(model, last, 100).loss, r.validation->loss);
+
+  // One validation and one test record per epoch; best.pt is the epoch with the best validation
+  // accuracy (ties: lower loss), and its checkpoint says so.
+  std::vector<nlohmann::json> vals;
+  int tests = 0;
+  auto records = read_jsonl(train::metrics_path(o.out_dir));
+  for (const auto& j : records) {
+    if (j["event"] == "eval" && j["split"] == "val") vals.push_back(j);
+    if (j["event"] == "eval" && j["split"] == "test") ++tests;
+  }
+  ASSERT_EQ(vals.size(), 4u);
+  EXPECT_EQ(tests, 4);
+  EXPECT_EQ(records.front()["train"]["validation_size"], 16);
+  EXPECT_EQ(records.front()["train"]["train_examples"], 48);
+  size_t best = 0;
+  for (size_t i = 1; i < vals.size(); ++i) {
+    const double a = vals[i]["accuracy"], b = vals[best]["accuracy"];
+    if (a > b || (a == b && vals[i]["loss"].get<double>() < vals[best]["loss"].get<double>())) best = i;
+  }
+  ASSERT_TRUE(r.best_validation_accuracy);
+  EXPECT_EQ(*r.best_validation_accuracy, vals[best]["accuracy"].get<double>());
+  EXPECT_EQ(r.best_validation_step, vals[best]["step"].get<int64_t>());
+  const auto best_path = train::best_checkpoint_path(o.out_dir);
+  const auto meta = train::read_checkpoint_meta(best_path);
+  EXPECT_EQ(meta.step, r.best_validation_step);
+  EXPECT_EQ(meta.train_options["best_validation"]["step"], r.best_validation_step);
+  auto best_model = train::load_model(best_path);
+  EXPECT_DOUBLE_EQ(train::evaluate(best_model, last, 100).loss, vals[best]["loss"].get<double>());
+}
+
+TEST(TrainerTest, AResumeKeepsTheBestValidationAndAFreshRunDropsTheOldBest) {
+  auto set = testing::synthetic_set(64, 12, 6);
+  TempDir dir;
+  std::ostringstream log;
+  auto o = tiny_options(dir / "run");
+  o.validation_size = 16;
+  o.epochs = 2;
+  auto a = train::train(o, set, nullptr, log);
+  ASSERT_TRUE(a.best_validation_accuracy);
+  auto rest = o;
+  rest.epochs = 3;
+  rest.resume = a.checkpoint;
+  auto b = train::train(rest, set, nullptr, log);
+  ASSERT_TRUE(b.best_validation_accuracy);
+  EXPECT_GE(*b.best_validation_accuracy, *a.best_validation_accuracy);  // the earlier best is remembered
+  if (b.best_validation_step == a.best_validation_step)
+    EXPECT_EQ(*b.best_validation_accuracy, *a.best_validation_accuracy);
+
+  // A validation split larger than the data, and a negative one, are refused by name.
+  auto bad = o;
+  bad.validation_size = 64;
+  EXPECT_THROW(train::train(bad, set, nullptr, log), std::invalid_argument);
+  bad.validation_size = -1;
+  EXPECT_THROW(bad.validate(), std::invalid_argument);
+
+  // A fresh run without validation in the same folder leaves no stale best.pt behind.
+  auto fresh = tiny_options(o.out_dir);
+  fresh.max_steps = 1;
+  train::train(fresh, set, nullptr, log);
+  EXPECT_FALSE(std::filesystem::exists(train::best_checkpoint_path(o.out_dir)));
 }
 
 TEST(TrainerTest, DivergenceStopsWithClearErrorAndKeepsLastGoodCheckpoint) {

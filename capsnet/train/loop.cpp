@@ -64,6 +64,52 @@ struct Schedule {
   }
 };
 
+/// The best epoch-end validation of a run: highest accuracy, ties broken by the lower loss (the first
+/// such epoch wins an exact tie). Travels in every checkpoint's options, so a resume keeps it.
+struct BestValidation {
+  std::optional<double> accuracy;
+  double loss = 0;
+  int64_t step = 0;
+
+  static double number(const nlohmann::json& record, const char* key, double otherwise) {
+    const auto it = record.find(key);
+    return it != record.end() && it->is_number() ? it->get<double>() : otherwise;
+  }
+  /// Takes `e` when it beats the best so far; returns whether it did.
+  bool offer(const Evaluation& e, int64_t at_step) {
+    const double acc = number(e.record, "accuracy", -1), l = number(e.record, "loss", 0);
+    if (acc < 0) return false;
+    if (accuracy && (acc < *accuracy || (acc == *accuracy && l >= loss))) return false;
+    accuracy = acc;
+    loss = l;
+    step = at_step;
+    return true;
+  }
+  /// `options` with this record under "best_validation" (absent while there is none).
+  nlohmann::json into(nlohmann::json options) const {
+    if (accuracy) options["best_validation"] = {{"accuracy", *accuracy}, {"loss", loss}, {"step", step}};
+    return options;
+  }
+  static BestValidation from_json(const nlohmann::json& options) {
+    BestValidation b;
+    if (!options.is_object() || !options.contains("best_validation")) return b;
+    const auto& j = options["best_validation"];
+    if (!j.is_object()) return b;
+    b.accuracy = number(j, "accuracy", -1);
+    if (*b.accuracy < 0) b.accuracy.reset();
+    b.loss = number(j, "loss", 0);
+    b.step = static_cast<int64_t>(number(j, "step", 0));
+    return b;
+  }
+};
+
+/// `from`'s bytes at `to`, replaced atomically (a reader of `to` sees the old file or the new one).
+void copy_file_atomically(const std::string& from, const std::string& to) {
+  const std::string tmp = to + ".tmp";
+  std::filesystem::copy_file(from, tmp, std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::rename(tmp, to);
+}
+
 /// Running means of the loss and the task's scalars, weighted by rows.
 struct Window {
   double rows = 0, loss = 0;
@@ -114,6 +160,7 @@ double seconds_since(Clock::time_point start) { return std::chrono::duration<dou
 
 std::string checkpoint_path(const std::string& out_dir) { return out_dir + "/checkpoint.pt"; }
 std::string metrics_path(const std::string& out_dir) { return out_dir + "/metrics.jsonl"; }
+std::string best_checkpoint_path(const std::string& out_dir) { return out_dir + "/best.pt"; }
 
 const char* lr_schedule_name(LrSchedule schedule) {
   return schedule == LrSchedule::kOneCycle ? "one-cycle" : "exponential";
@@ -126,7 +173,9 @@ LrSchedule parse_lr_schedule(const std::string& name) {
 }
 
 double LoopOptions::learning_rate(int64_t step, int64_t total_steps, double epochs_done) const {
-  if (lr_schedule == LrSchedule::kExponential) return lr * std::pow(lr_decay, epochs_done);
+  if (lr_schedule == LrSchedule::kExponential)
+    return lr * std::pow(lr_decay, lr_decay_steps > 0 ? static_cast<double>(step) / static_cast<double>(lr_decay_steps)
+                                                      : epochs_done);
   // One cycle (Smith & Topin 2017): a short climb lets Adam settle before the large rate, the cosine
   // descent to ~0 ends the run in a sharp minimum whatever its length. Position in [0, 1]:
   const double t = total_steps > 1 ? static_cast<double>(step) / static_cast<double>(total_steps - 1) : 1.0;
@@ -142,6 +191,8 @@ void LoopOptions::validate() const {
   if (batch_size <= 0) fail(fmt::format("batch_size must be positive, got {}", batch_size));
   if (!(lr > 0) || !std::isfinite(lr)) fail(fmt::format("lr must be a positive number, got {}", lr));
   if (!(lr_decay > 0 && lr_decay <= 1)) fail(fmt::format("lr_decay must be in (0, 1], got {}", lr_decay));
+  if (lr_decay_steps < 0)
+    fail(fmt::format("lr_decay_steps must be >= 0 (0 = decay once per epoch), got {}", lr_decay_steps));
   if (!(warmup_fraction >= 0 && warmup_fraction < 1))
     fail(fmt::format("warmup_fraction must be in [0, 1), got {}", warmup_fraction));
   if (!(weight_decay >= 0) || !std::isfinite(weight_decay))
@@ -166,6 +217,7 @@ nlohmann::json LoopOptions::to_json() const {
           {"batch_size", batch_size},
           {"lr", lr},
           {"lr_decay", lr_decay},
+          {"lr_decay_steps", lr_decay_steps},
           {"lr_schedule", lr_schedule_name(lr_schedule)},
           {"weight_decay", weight_decay},
           {"seed", seed},
@@ -199,7 +251,8 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
   auto options_json = options.to_json();
   options_json["task"] = task.name();
   const auto data_json = task.data_config();
-  std::vector<std::string> resume_keys{"task", "batch_size", "lr", "lr_decay", "lr_schedule", "weight_decay", "seed"};
+  std::vector<std::string> resume_keys{"task",         "batch_size", "lr",  "lr_decay", "lr_decay_steps",
+                                       "lr_schedule", "weight_decay", "seed"};
   const int64_t total_steps = options.max_steps > 0 ? options.max_steps : schedule.total_steps(options.epochs);
   if (options.lr_schedule == LrSchedule::kOneCycle) {
     // The cycle spans the whole run: resuming with another length would change every later rate.
@@ -223,16 +276,20 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
   const std::string ckpt = checkpoint_path(options.out_dir);
 
   int64_t step = 0;
+  BestValidation best;
   if (!options.resume.empty()) {
     auto meta = read_checkpoint_meta(options.resume);
     auto saved_options = meta.train_options;
     if (saved_options.is_object() && !saved_options.contains("lr_schedule"))
       saved_options["lr_schedule"] = "exponential";  // checkpoints from before the option had only this one
+    if (saved_options.is_object() && !saved_options.contains("lr_decay_steps"))
+      saved_options["lr_decay_steps"] = 0;  // before the option, the rate decayed per epoch
     check_resume_compatible(saved_options, options_json, resume_keys, options.resume);
     step = load_checkpoint(options.resume, *model, optimizer.get(), [&](const nlohmann::json& saved) {
              return task.config_matches(saved);
            }).step;
     log << fmt::format("resumed from {} at step {}\n", options.resume, step);
+    best = BestValidation::from_json(meta.train_options);
   }
   allocate_adam_state(*optimizer);  // before the first forward: lower peak memory (adam_state.h)
   clear_grads(*optimizer);          // every step starts without gradients (see the end of a step below)
@@ -274,6 +331,8 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
   // it): it stays until this run saves its own, and a divergence before that says so.
   std::error_code exists_error;
   const bool previous_checkpoint = options.resume.empty() && std::filesystem::exists(ckpt, exists_error);
+  // A fresh run's first checkpoint replaces the previous run's; its best.pt goes with it.
+  bool stale_best = options.resume.empty() && lead;
   auto last_good = [&] {
     if (!result.checkpoint.empty())
       return fmt::format("The last good checkpoint is {} (step {}). Try a lower learning rate (lr).",
@@ -288,7 +347,12 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
     if (!all_finite(model->parameters()))
       throw TrainingDiverged(
           fmt::format("{}: weights are not finite at step {}; not saving. {}", task.name(), at_step, last_good()));
-    if (lead) save_checkpoint(ckpt, *model, optimizer.get(), {at_step, task.model_config(), options_json});
+    if (lead) save_checkpoint(ckpt, *model, optimizer.get(), {at_step, task.model_config(), best.into(options_json)});
+    if (stale_best) {
+      std::error_code ignored;  // none there is the usual case
+      std::filesystem::remove(best_checkpoint_path(options.out_dir), ignored);
+      stale_best = false;
+    }
     result.checkpoint = ckpt;
     last_saved = at_step;
     metrics.write({{"event", "checkpoint"}, {"step", at_step}, {"path", ckpt}});
@@ -404,13 +468,13 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
       window.clear();
     }
     const bool epoch_end = last || schedule.epoch_of(step) != epoch;
-    if ((options.checkpoint_every > 0 && step % options.checkpoint_every == 0) || epoch_end) save(step);
-    // Runs the task's evaluation and writes its "eval" record (rank 0 only; the caller checks lead).
-    auto evaluate_now = [&]() -> std::optional<Evaluation> {
-      auto e = task.evaluate(progress ? &std::cerr : nullptr);
+    // Runs one of the task's evaluations and writes its "eval" record (rank 0 only; the caller checks lead).
+    auto evaluate_split = [&](const char* split) -> std::optional<Evaluation> {
+      auto* bar_stream = progress ? &std::cerr : nullptr;
+      auto e = std::string(split) == "val" ? task.evaluate_validation(bar_stream) : task.evaluate(bar_stream);
       if (e) {
         nlohmann::json record = {{"event", "eval"},
-                                 {"split", "test"},
+                                 {"split", split},
                                  {"step", step},
                                  {"epoch", schedule.epochs_done(step)},
                                  {"train_seconds", run_seconds}};
@@ -419,8 +483,25 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
       }
       return e;
     };
-    // A mid-epoch learning-curve point; an epoch end evaluates below (when it evaluates at all).
+    auto evaluate_now = [&] { return evaluate_split("test"); };
     const bool epoch_evaluates = epoch_end && (options.evaluate_each_epoch || last);
+    // The validation comes before the epoch's checkpoint, so that the checkpoint records the best so far
+    // and best.pt can be a copy of it.
+    bool new_best = false;
+    if (lead && epoch_evaluates) {
+      result.validation = evaluate_split("val");
+      if (result.validation) new_best = best.offer(*result.validation, step);
+    }
+    if ((options.checkpoint_every > 0 && step % options.checkpoint_every == 0) || epoch_end) save(step);
+    if (lead && new_best) {
+      copy_file_atomically(ckpt, best_checkpoint_path(options.out_dir));
+      metrics.write({{"event", "best"},
+                     {"step", step},
+                     {"epoch", schedule.epochs_done(step)},
+                     {"val_accuracy", best.accuracy.value_or(0)},
+                     {"path", best_checkpoint_path(options.out_dir)}});
+    }
+    // A mid-epoch learning-curve point; an epoch end evaluates below (when it evaluates at all).
     if (lead && options.eval_every > 0 && step % options.eval_every == 0 && !epoch_evaluates) {
       if (auto e = evaluate_now()) {
         log << fmt::format("step {} (epoch {:.3g}): {}\n", step, schedule.epochs_done(step), e->summary) << std::flush;
@@ -436,12 +517,20 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
                                                    schedule.epochs_done(step), epoch_window.mean_loss());
       if (auto acc = epoch_window.mean("accuracy")) line += fmt::format(" accuracy {:.2f}%", 100 * *acc);
       line += fmt::format(" ({:.0f} img/s)", img_s);
-      if (lead && (options.evaluate_each_epoch || last)) {
+      if (lead && epoch_evaluates) {
+        auto reached = [&](const Evaluation& e) {
+          const auto acc = e.record.find("accuracy");
+          return options.target_accuracy > 0 && acc != e.record.end() && acc->is_number() &&
+                 acc->get<double>() >= options.target_accuracy;
+        };
+        if (result.validation) {
+          line += " | " + result.validation->summary;
+          if (new_best) line += " (best)";
+          result.target_reached = reached(*result.validation);
+        }
         if (auto e = evaluate_now()) {
           line += " | " + e->summary;
-          const auto acc = e->record.find("accuracy");
-          result.target_reached = options.target_accuracy > 0 && acc != e->record.end() && acc->is_number() &&
-                                  acc->get<double>() >= options.target_accuracy;
+          if (!result.validation) result.target_reached = reached(*e);
           result.evaluation = std::move(e);
         }
       }
@@ -465,10 +554,16 @@ LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, st
     }
   }
   result.end_step = step;
+  result.best_validation_accuracy = best.accuracy;
+  result.best_validation_step = best.step;
   result.seconds = run_seconds;
   result.images_per_second = run_seconds > 0 ? result.images / run_seconds : 0;
   nlohmann::json end = {
       {"event", "end"}, {"step", step}, {"seconds", run_seconds}, {"images_per_second", result.images_per_second}};
+  if (best.accuracy) {
+    end["best_val_accuracy"] = *best.accuracy;
+    end["best_step"] = best.step;
+  }
   if (options.target_accuracy > 0) {
     end["target_accuracy"] = options.target_accuracy;
     end["target_reached"] = result.target_reached;

@@ -106,11 +106,16 @@ class Task {
   /// Held-out evaluation, run at epoch ends and at the end; nullopt when there is nothing to evaluate.
   /// `progress` (may be null) gets a progress bar.
   virtual std::optional<Evaluation> evaluate(std::ostream* /*progress*/) { return std::nullopt; }
+  /// Evaluation on a validation split held out of the training data, run before evaluate() at the same
+  /// points; nullopt when the task has none. Its record's "accuracy" (ties: lower "loss") picks the
+  /// checkpoint the loop keeps as best.pt, and the target accuracy is checked on it instead of the test
+  /// set: every choice of a run is made on validation, never on test.
+  virtual std::optional<Evaluation> evaluate_validation(std::ostream* /*progress*/) { return std::nullopt; }
 };
 
 /// How the learning rate moves over a run.
 enum class LrSchedule {
-  kExponential,  // lr * lr_decay^(epochs done), applied smoothly per step: the paper's
+  kExponential,  // lr * lr_decay^(periods done: epochs, or lr_decay_steps steps), smoothly per step: the paper's
   kOneCycle,     // linear warm-up from lr / 25 to lr over warmup_fraction of the run, then cosine to ~0
 };
 
@@ -124,7 +129,10 @@ struct LoopOptions {
   int64_t max_steps = 0;   // > 0: stop after this many optimizer steps in total (overrides epochs)
   int64_t batch_size = 100;
   double lr = 1e-3;        // Adam
-  double lr_decay = 0.96;  // multiplied into the learning rate once per epoch, applied smoothly per step
+  double lr_decay = 0.96;  // multiplied into the learning rate once per decay period, applied smoothly per step
+  /// The exponential schedule's decay period in steps; 0 = one epoch. Sabour et al.'s code decays by 0.96
+  /// every 2,000 steps of 100 images (`capsnet train --schedule paper`).
+  int64_t lr_decay_steps = 0;
   double weight_decay = 0;  // Adam's L2 term
   LrSchedule lr_schedule = LrSchedule::kExponential;
   double warmup_fraction = 0.25;  // one-cycle only: share of the run spent raising the rate
@@ -137,7 +145,8 @@ struct LoopOptions {
   nn::Precision precision = nn::Precision::kFloat32;
   double max_seconds = 0;  // > 0: stop after the first step that ends past this much training time
   /// > 0: stop after the first end-of-epoch evaluation whose "accuracy" reaches it (a fraction in
-  /// (0, 1]; "train until the model reaches 99%" protocols). Not a resume key: a resume may change it.
+  /// (0, 1]; "train until the model reaches 99%" protocols): the validation accuracy when the task has a
+  /// validation split, else the test accuracy. Not a resume key: a resume may change it.
   double target_accuracy = 0;
   /// > 0: also evaluate after every eval_every-th step (beside the epoch ends), on rank 0, with an
   /// "eval" record and a log line: a learning curve for runs measured in steps rather than epochs
@@ -163,6 +172,11 @@ struct LoopResult {
   std::vector<double> losses;     // total loss of every step of this run, in order
   std::vector<double> accuracies;  // the "accuracy" scalar of every step (empty when the task has none)
   std::optional<Evaluation> evaluation;  // the last one
+  std::optional<Evaluation> validation;  // the last validation (tasks with a validation split)
+  /// The best validation so far (this run and, after a resume, the runs before it) and its step;
+  /// best.pt holds that step's checkpoint.
+  std::optional<double> best_validation_accuracy;
+  int64_t best_validation_step = 0;
   std::string checkpoint;         // the last checkpoint written
   bool out_of_time = false;       // stopped by max_seconds
   bool target_reached = false;    // stopped by target_accuracy
@@ -182,6 +196,8 @@ at::Generator seeded_stream(uint64_t seed, uint64_t purpose, uint64_t index);
 
 /// Path of the checkpoint / metrics file inside an output directory.
 std::string checkpoint_path(const std::string& out_dir);
+/// The copy of the epoch-end checkpoint with the best validation accuracy (tasks with a validation split).
+std::string best_checkpoint_path(const std::string& out_dir);
 std::string metrics_path(const std::string& out_dir);
 
 /// Seconds elapsed since `start` on the steady clock.

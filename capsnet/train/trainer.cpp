@@ -15,8 +15,9 @@ namespace {
 /// margin + scaled reconstruction loss, accuracy of the longest capsule.
 class ClassificationTask : public Task {
  public:
-  ClassificationTask(const TrainOptions& o, const data::ImageSet& train_set, const data::ImageSet* test_set)
-      : o_(o), train_(train_set), test_(test_set) {}
+  ClassificationTask(const TrainOptions& o, const data::ImageSet& train_set, const data::ImageSet* val_set,
+                     const data::ImageSet* test_set)
+      : o_(o), train_(train_set), val_(val_set), test_(test_set) {}
 
   std::string name() const override { return "classification"; }
   std::shared_ptr<torch::nn::Module> build_model(nn::Precision precision) override {
@@ -31,6 +32,7 @@ class ClassificationTask : public Task {
   }
   nlohmann::json data_config() const override {
     nlohmann::json j = {{"max_shift", o_.max_shift}, {"train_examples", train_.size()}};
+    if (val_) j["validation_size"] = val_->size();  // only when held out: older checkpoints resume
     // Only when present, so the resume check of a run that predates them still matches.
     if (!train_.class_names.empty()) j["classes"] = train_.class_names;
     for (const auto& [key, value] : o_.data_info.items()) j[key] = value;
@@ -53,18 +55,29 @@ class ClassificationTask : public Task {
   }
   std::optional<Evaluation> evaluate(std::ostream* progress) override {
     if (!test_) return std::nullopt;
-    auto r = train::evaluate(model_, *test_, o_.eval_batch_size, progress);
+    return evaluate_on(*test_, "test", progress, last_);
+  }
+  std::optional<Evaluation> evaluate_validation(std::ostream* progress) override {
+    if (!val_) return std::nullopt;
+    return evaluate_on(*val_, "val", progress, last_validation_);
+  }
+
+  std::optional<EvalResult> last_, last_validation_;  // the last evaluations, for TrainResult
+
+ private:
+  Evaluation evaluate_on(const data::ImageSet& set, const char* split, std::ostream* progress,
+                         std::optional<EvalResult>& keep) {
+    auto r = train::evaluate(model_, set, o_.eval_batch_size, progress);
     Evaluation e{{{"accuracy", r.accuracy}, {"error", 1 - r.accuracy}, {"loss", r.loss}, {"examples", r.examples}},
-                 fmt::format("test loss {:.4f} accuracy {:.2f}% ({} images)", r.loss, 100 * r.accuracy, r.examples)};
-    last_ = std::move(r);
+                 fmt::format("{} loss {:.4f} accuracy {:.2f}% ({} images)", split, r.loss, 100 * r.accuracy,
+                             r.examples)};
+    keep = std::move(r);
     return e;
   }
 
-  std::optional<EvalResult> last_;  // the last evaluation, for TrainResult
-
- private:
   const TrainOptions& o_;
   const data::ImageSet& train_;
+  const data::ImageSet* val_;
   const data::ImageSet* test_;
   models::CapsNet model_{nullptr};
 };
@@ -79,6 +92,7 @@ LoopOptions TrainOptions::loop_options() const {
   l.batch_size = batch_size;
   l.lr = lr;
   l.lr_decay = lr_decay;
+  l.lr_decay_steps = lr_decay_steps;
   l.lr_schedule = lr_schedule;
   l.warmup_fraction = warmup_fraction;
   l.seed = seed;
@@ -95,6 +109,7 @@ void TrainOptions::validate() const {
   auto fail = [](const std::string& msg) { throw std::invalid_argument(msg); };
   model.validate();
   loop_options().validate();  // throws naming the value (also a CPU without bf16 for precision)
+  if (validation_size < 0) fail(fmt::format("validation_size must be >= 0 (0 = none), got {}", validation_size));
   if (eval_batch_size <= 0) fail(fmt::format("eval_batch_size must be positive, got {}", eval_batch_size));
   if (max_shift < 0 || max_shift >= model.image_size)
     fail(fmt::format("max_shift must be in [0, {}), got {}", model.image_size, max_shift));
@@ -119,7 +134,18 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
   if (!train_set.class_names.empty() && static_cast<int64_t>(train_set.class_names.size()) != options.model.num_classes)
     throw std::invalid_argument(fmt::format("the training set has {} classes but the model has {} (num_classes)",
                                             train_set.class_names.size(), options.model.num_classes));
-  ClassificationTask task(options, train_set, test_set);
+  if (options.validation_size >= train_set.size())
+    throw std::invalid_argument(fmt::format("validation_size {} leaves no training examples of {}",
+                                            options.validation_size, train_set.size()));
+  // The split: the first n - V examples train, the last V validate (a fixed split, the same for every seed).
+  const int64_t n_train = train_set.size() - options.validation_size;
+  auto rows = [&](int64_t begin, int64_t count) {
+    return data::ImageSet{train_set.images.narrow(0, begin, count), train_set.labels.narrow(0, begin, count),
+                          train_set.class_names};
+  };
+  const auto fit = options.validation_size > 0 ? rows(0, n_train) : train_set;
+  const auto val = options.validation_size > 0 ? rows(n_train, options.validation_size) : data::ImageSet{};
+  ClassificationTask task(options, fit, options.validation_size > 0 ? &val : nullptr, test_set);
   auto r = run(task, options.loop_options(), log, std::move(group));
   TrainResult result;
   result.start_step = r.start_step;
@@ -128,6 +154,9 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
   result.images_per_second = r.images_per_second;
   result.losses = std::move(r.losses);
   result.test = std::move(task.last_);
+  result.validation = std::move(task.last_validation_);
+  result.best_validation_accuracy = r.best_validation_accuracy;
+  result.best_validation_step = r.best_validation_step;
   result.checkpoint = r.checkpoint;
   return result;
 }

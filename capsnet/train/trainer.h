@@ -26,7 +26,11 @@ struct TrainOptions {
   int64_t max_steps = 0;      // > 0: stop after this many optimizer steps in total (overrides epochs)
   int64_t batch_size = 100;
   double lr = 1e-3;
-  double lr_decay = 0.96;     // multiplied into the learning rate once per epoch, applied smoothly per step
+  double lr_decay = 0.96;     // multiplied into the learning rate once per decay period, applied smoothly per step
+  int64_t lr_decay_steps = 0;  // the decay period in steps; 0 = one epoch (LoopOptions::lr_decay_steps)
+  /// > 0: the last validation_size training examples are held out as a validation split, evaluated at
+  /// every epoch end beside the test set; the best epoch's checkpoint is kept as best.pt (loop.h).
+  int64_t validation_size = 0;
   LrSchedule lr_schedule = LrSchedule::kExponential;  // one-cycle: lr is the peak (loop.h)
   double warmup_fraction = 0.25;  // one-cycle only
   int64_t max_shift = 2;      // random translation, pixels in each direction
@@ -58,10 +62,14 @@ struct TrainResult {
   double images_per_second = 0;  // training throughput of this run
   std::vector<double> losses;    // total loss of every step of this run, in order
   std::optional<EvalResult> test;  // last evaluation, when a test set was given
+  std::optional<EvalResult> validation;  // last validation, when validation_size > 0
+  std::optional<double> best_validation_accuracy;  // and the step of best.pt
+  int64_t best_validation_step = 0;
   std::string checkpoint;        // path of the last checkpoint written
 };
 
-/// Trains a CapsNet on `train_set`, evaluating on `test_set` (may be null) at each epoch end.
+/// Trains a CapsNet on `train_set` (less its last validation_size examples, the validation split),
+/// evaluating on the validation split and on `test_set` (may be null) at each epoch end.
 /// Log lines go to `log`; the progress bar to stderr.
 /// With a `group` of W processes (data parallel, docs/distributed.md): every rank draws the same
 /// global batch of batch_size examples and the same shifts, takes its rank_slice of the rows, and
