@@ -13,6 +13,7 @@ PACKAGES=(g++ cmake make pkg-config libtorch-dev libopenblas0-pthread libcli11-d
           python3-torch   # Debian's own python3 + torch 1.13: the Python tests (op library, python/ package)
           libgloo-dev     # headers of c10d's Gloo process group (data-parallel training)
           libcpp-httplib-dev  # HTTP server of `capsnet serve`
+          libssl-dev      # OpenSSL's libcrypto: SHA-256 of the shipped models when used by default
           chromium        # headless browser: the end-to-end test of `capsnet serve`
           dataset-fashion-mnist)  # Fashion-MNIST, gzipped IDX in /usr/share/datasets/fashion-mnist
 missing=()

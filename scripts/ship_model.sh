@@ -7,7 +7,8 @@
 # Either network: a CapsNet checkpoint, or one of `capsnet em` (matrix capsules, EM routing).
 # Environment: NAME (file stem, default capsnet-<dataset>), STEPS_PER_EPOCH (for the card's epochs;
 # default 600, i.e. 60,000 images at batch 100; `capsnet em` at batch 32: 1875), STORAGE (fp16 by
-# default; fp32 or bf16).
+# default; fp32 or bf16), CARD_EXTRA (a JSON object merged into the card, e.g. the validation rule,
+# validation accuracy and seed of a run with --val).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CLI="${CAPSNET_CLI:-$ROOT/build/bin/capsnet}"  # CAPSNET_CLI: another build of the tool
@@ -20,8 +21,8 @@ tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 
 "$CLI" export --checkpoint "$CKPT" --storage "$STORAGE" --probe 8 --out "$tmp/w.pt"
 "$CLI" eval --checkpoint "$tmp/w.pt" --dataset "$DATASET" --json --no-progress > "$tmp/eval.json"
-/usr/bin/python3 - "$tmp/eval.json" "$CKPT" "$tmp/w.pt" "$DATASET" "$COMMAND" "$STEPS_PER_EPOCH" "$STORAGE" > "$tmp/card.json" <<'EOF'
-import json, sys, torch
+CARD_EXTRA="${CARD_EXTRA:-{\}}" /usr/bin/python3 - "$tmp/eval.json" "$CKPT" "$tmp/w.pt" "$DATASET" "$COMMAND" "$STEPS_PER_EPOCH" "$STORAGE" > "$tmp/card.json" <<'EOF'
+import json, os, sys, torch
 ev = json.load(open(sys.argv[1]))
 ckpt, weights, dataset, command, steps_per_epoch = sys.argv[2], torch.load(sys.argv[3]), sys.argv[4], sys.argv[5], int(sys.argv[6])
 storage = sys.argv[7]
@@ -35,7 +36,7 @@ else:
     model = "CapsNet (Sabour et al. 2017): Conv1 256@9x9, PrimaryCaps 32x8D, DigitCaps 10x16D, r=3, decoder"
 meta_epochs = step / steps_per_epoch
 wrong = ev["examples"] - sum(ev["confusion"][k][k] for k in range(len(ev["confusion"])))
-print(json.dumps({
+card = {
     "model": model,
     "dataset": dataset,
     "command": command,
@@ -47,7 +48,9 @@ print(json.dumps({
     "test_errors": wrong,
     "test_examples": ev["examples"],
     "evaluated_with": "capsnet eval on this file (fp32 compute), whole test split",
-}, indent=2))
+}
+card.update(json.loads(os.environ["CARD_EXTRA"]))
+print(json.dumps(card, indent=2))
 EOF
 "$CLI" export --checkpoint "$tmp/w.pt" --storage "$STORAGE" --probe 8 --card "$tmp/card.json" --out "$OUT/$NAME"
 # The card as stored in the file (export adds the class names, image fit and dataset to it).

@@ -368,6 +368,37 @@ std::vector<std::string> lines_of(const std::string& text) {
   return out;
 }
 
+// `folder --overwrite` replaces its output only once the new folder is complete, and never the data it reads.
+TEST(ImageFolderCliTest, FolderOverwriteNeverLosesTheInputOrThePreviousFolder) {
+  TempDir dir;
+  const auto mnist = dir / "mnist";
+  testing::write_fake_mnist(mnist, 30, 10);
+  const auto folder = dir / "digits";
+  auto w = testing::run_command(kCli + " folder --data " + mnist + " --out " + folder);
+  ASSERT_EQ(w.status, 0) << w.output;
+  ASSERT_TRUE(fs::exists(folder + "/train/0"));
+
+  // --out equal to, or above, --data: refused, the data untouched.
+  for (const auto& out : {mnist, dir.str(), mnist + "/"}) {
+    auto r = testing::run_command(kCli + " folder --data " + mnist + " --out " + out + " --overwrite");
+    EXPECT_EQ(r.status, 1) << out << ": " << r.output;
+    EXPECT_NE(r.output.find("would replace the data it reads"), std::string::npos) << r.output;
+    EXPECT_TRUE(fs::exists(mnist + "/train-images-idx3-ubyte")) << out;
+  }
+  // A bad --data: an error, and the previous folder is still there, whole.
+  auto bad = testing::run_command(kCli + " folder --data " + dir / "missing" + " --out " + folder + " --overwrite");
+  EXPECT_NE(bad.status, 0) << bad.output;
+  EXPECT_TRUE(fs::exists(folder + "/train/0"));
+  EXPECT_TRUE(fs::exists(folder + "/test/0"));
+  // A good one replaces it, leaving nothing beside it.
+  auto ok = testing::run_command(kCli + " folder --data " + mnist + " --out " + folder + "/ --overwrite --train-limit 10");
+  ASSERT_EQ(ok.status, 0) << ok.output;
+  EXPECT_NE(ok.output.find("wrote 20 PNG files"), std::string::npos) << ok.output;
+  int entries = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir.str())) ++entries;
+  EXPECT_EQ(entries, 2) << "mnist and digits only: no staging folder left";
+}
+
 // End to end: `folder` writes coloured digits, `train` learns from the folder (its classes, 3 channels,
 // 32x32), `eval` and `predict` name the classes, predict writes CSV with poses and JSON lines.
 TEST(ImageFolderCliTest, FolderTrainEvalPredict) {

@@ -520,6 +520,42 @@ TEST_F(ReliabilityCli, APreviousRunIsNotOverwrittenWithoutBeingAsked) {
   EXPECT_EQ(r.status, 0) << r.output;
 }
 
+TEST_F(ReliabilityCli, ResumingAnotherRunIntoAFolderThatHoldsARunIsRefused) {
+  ASSERT_EQ(first_.status, 0) << first_.output;
+  auto resume_into = [&](const std::string& out, const std::string& checkpoint, const std::string& extra) {
+    return kCli + " train --data " + data_ + " --out " + out + " --steps 3 --batch-size 16 --no-progress --no-eval " +
+           "--resume " + checkpoint + " " + extra;
+  };
+  // B holds a run of its own; resuming run_ (A) into B would replace B's checkpoint and metrics.
+  const auto other = *dir_ / "other_run";
+  auto r = run_command(train_into(other, ""));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto metrics_before = read_bytes(other + "/metrics.jsonl");
+  const auto checkpoint_before = read_bytes(other + "/checkpoint.pt");
+  const auto a = run_ + "/checkpoint.pt";
+  r = run_command(resume_into(other, a, ""));
+  EXPECT_EQ(r.status, 1) << r.output;
+  expect_contains(r.output, "holds another run");
+  expect_contains(r.output, "--overwrite");
+  EXPECT_EQ(read_bytes(other + "/metrics.jsonl"), metrics_before);
+  EXPECT_EQ(read_bytes(other + "/checkpoint.pt"), checkpoint_before);
+
+  // Into an empty folder, or with --overwrite, it continues A; B resuming its own checkpoint needs nothing.
+  r = run_command(resume_into(*dir_ / "continued", a, ""));
+  EXPECT_EQ(r.status, 0) << r.output;
+  r = run_command(resume_into(other, other + "/checkpoint.pt", ""));
+  EXPECT_EQ(r.status, 0) << r.output;
+  r = run_command(resume_into(other, a, "--overwrite"));
+  EXPECT_EQ(r.status, 0) << r.output;
+}
+
+TEST_F(ReliabilityCli, ServeRefusesAnEmptyHost) {
+  // An empty address would bind every interface with the Host-header check off.
+  auto r = run_command(kCli + " serve --checkpoint " + run_ + "/checkpoint.pt --port 0 --host ''");
+  EXPECT_EQ(r.status, 1) << r.output;
+  expect_contains(r.output, "an empty --host is refused");
+}
+
 TEST_F(ReliabilityCli, AnOutputIsNeverWrittenOverTheCheckpointItReads) {
   ASSERT_EQ(first_.status, 0) << first_.output;
   const auto ckpt = run_ + "/checkpoint.pt";

@@ -67,6 +67,45 @@ TEST(ShippedModel, EvalWithoutACheckpointUsesItAndPrintsTheCardsAccuracy) {
   EXPECT_NE(r.output.find(wrong), std::string::npos) << "expected \"" << wrong << "\" in:\n" << r.output;
 }
 
+// The model used without --checkpoint is checked against SHA256SUMS first: a damaged copy is refused by
+// name, never scored as if it were the card's model. A copy of the CLI finds the copy of models/ beside it.
+TEST(ShippedModel, ADamagedShippedModelIsRefusedAgainstItsSha256) {
+  namespace fs = std::filesystem;
+  testing::TempDir dir;
+  fs::create_directories(dir / "checkout/build/bin");
+  fs::create_directories(dir / "checkout/models/capsnet-mnist");
+  const auto cli = dir / "checkout/build/bin/capsnet";
+  fs::copy_file(kCli, cli);
+  fs::permissions(cli, fs::perms::owner_exec, fs::perm_options::add);
+  const auto copy = dir / "checkout/models/capsnet-mnist/capsnet-mnist.pt";
+  fs::copy_file(kModel, copy);
+  fs::copy_file(kModelDir + "/SHA256SUMS", dir / "checkout/models/capsnet-mnist/SHA256SUMS");
+  testing::write_fake_mnist(dir / "mnist", 10, 10);
+  const auto eval = cli + " eval --no-progress --limit 10 --data " + dir / "mnist";
+
+  auto good = testing::run_command(eval);
+  ASSERT_EQ(good.status, 0) << good.output;
+  EXPECT_NE(good.output.find("using the shipped model " + fs::weakly_canonical(copy).string()), std::string::npos)
+      << good.output;
+
+  {  // one byte changed in the middle of the weights
+    std::fstream f(copy, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(fs::file_size(copy) / 2));
+    const char c = static_cast<char>(f.get());
+    f.seekp(static_cast<std::streamoff>(fs::file_size(copy) / 2));
+    f.put(static_cast<char>(c ^ 0x10));
+  }
+  auto bad = testing::run_command(eval);
+  EXPECT_EQ(bad.status, 1) << bad.output;
+  EXPECT_NE(bad.output.find("does not match its SHA-256"), std::string::npos) << bad.output;
+  EXPECT_EQ(bad.output.find("test accuracy"), std::string::npos) << bad.output;
+
+  fs::remove(dir / "checkout/models/capsnet-mnist/SHA256SUMS");
+  auto unlisted = testing::run_command(eval);
+  EXPECT_EQ(unlisted.status, 1) << unlisted.output;
+  EXPECT_NE(unlisted.output.find("no SHA256SUMS"), std::string::npos) << unlisted.output;
+}
+
 // The Fashion-MNIST model (models/capsnet-fashion-mnist/, shipped because it beat 92%): the same
 // checks, on Debian's dataset-fashion-mnist (installed by scripts/setup.sh).
 const std::string kFashionModelDir = std::string(CAPSNET_SOURCE_DIR) + "/models/capsnet-fashion-mnist";

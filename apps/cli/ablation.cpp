@@ -95,7 +95,7 @@ int run(const Flags& f) {
       }
       if (previous != p.settings) {
         try {
-          check_run_dir(p.dir, /*resuming=*/false, f.overwrite, /*can_resume=*/false, kRunFiles);
+          check_run_dir(p.dir, /*resume_from=*/"", f.overwrite, /*can_resume=*/false, kRunFiles);
         } catch (const std::invalid_argument& e) {
           throw std::invalid_argument(
               fmt::format("ablation: run {} was trained with other settings ({}): {}", p.name,

@@ -55,12 +55,17 @@ std::string numeric_limits_markdown();
 /// --overwrite: lets a command replace the previous run in its --out folder.
 void add_overwrite_flag(CLI::App& app, bool& overwrite);
 /// Refuses an --out folder that holds a previous run (a non-empty file of `run_files`: by default a
-/// checkpoint.pt or metrics.jsonl) unless the command resumes it or --overwrite was given; the message
-/// names both ways out.
-void check_run_dir(const std::string& out_dir, bool resuming, bool overwrite, bool can_resume,
+/// checkpoint.pt or metrics.jsonl) unless the command resumes that run (`resume_from` is the folder's own
+/// checkpoint.pt) or --overwrite was given; the message names the ways out. Resuming another run into
+/// such a folder is refused too: it would replace the folder's run.
+void check_run_dir(const std::string& out_dir, const std::string& resume_from, bool overwrite, bool can_resume,
                    const std::vector<std::string>& run_files = {"checkpoint.pt", "metrics.jsonl"});
 /// Refuses an output path that is one of the command's input files (e.g. --out = --checkpoint).
 void check_not_an_input(const std::string& out, const std::vector<std::string>& inputs);
+
+/// Checks `file` against the SHA256SUMS file beside it (sha256sum's format); throws std::invalid_argument
+/// naming both hashes when they differ, or when SHA256SUMS is missing or does not list the file.
+void check_sha256sums(const std::string& file);
 
 /// Writes `text` to `path` (replacing it); throws std::runtime_error naming the path when it cannot
 /// be opened or written, so that no command reports a result file it failed to write.

@@ -49,21 +49,49 @@ Subcommand add_folder(CLI::App& root) {
             if (f->threads > 0) set_threads(f->threads);
             if (fs::exists(f->out) && !fs::is_empty(f->out) && !f->overwrite)
               throw std::invalid_argument(fmt::format("{} exists and is not empty; pass --overwrite to replace it", f->out));
-            if (f->overwrite) fs::remove_all(f->out);
             if (f->kind == "coloured" && f->side < 28)
               throw std::invalid_argument(fmt::format("--side must be at least 28 (the digits' side), got {}", f->side));
+            // Replacing --out must never touch the input: refuse an --out that is, holds or lies inside the data.
+            const auto data_dir = f->data.resolved();
+            if (fs::exists(f->out)) {
+              const auto out_abs = fs::canonical(f->out), data_abs = fs::weakly_canonical(data_dir);
+              auto inside = [](const fs::path& inner, const fs::path& outer) {
+                auto [o, i] = std::mismatch(outer.begin(), outer.end(), inner.begin(), inner.end());
+                return o == outer.end();
+              };
+              if (inside(data_abs, out_abs) || inside(out_abs, data_abs))
+                throw std::invalid_argument(fmt::format(
+                    "--out {} would replace the data it reads ({}): choose an --out outside it", f->out, data_dir));
+            }
             // Directory names: a class name with '/' (Fashion-MNIST's "T-shirt/top") would be two levels.
             std::vector<std::string> names = data::class_names(f->data.dataset);
             for (auto& n : names) std::replace(n.begin(), n.end(), '/', '-');
-            const auto start = std::chrono::steady_clock::now();
-            int64_t files = 0;
+            // Both splits are read (and checked) before anything is written; the folder is written beside
+            // --out and takes its place only when complete, so a failure leaves the previous one as it was.
+            std::vector<data::ImageSet> sets;
             for (const auto split : {data::Split::kTrain, data::Split::kTest}) {
               const bool train = split == data::Split::kTrain;
-              auto set = data::take(data::load_mnist(f->data.resolved(), split), train ? f->train_limit : f->test_limit);
+              auto set = data::take(data::load_mnist(data_dir, split), train ? f->train_limit : f->test_limit);
               set.class_names = names;
               if (f->kind == "coloured") set = data::coloured_digits(set, f->seed + (train ? 0 : 1), {f->side});
-              files += data::write_image_folder(set, (fs::path(f->out) / (train ? "train" : "test")).string());
+              sets.push_back(std::move(set));
             }
+            const auto start = std::chrono::steady_clock::now();
+            fs::path out = fs::path(f->out).lexically_normal();
+            if (out.filename().empty()) out = out.parent_path();  // "X/" names X
+            const fs::path staging = out.parent_path() / ("." + out.filename().string() + ".partial");
+            fs::remove_all(staging);
+            int64_t files = 0;
+            try {
+              files += data::write_image_folder(sets[0], (staging / "train").string());
+              files += data::write_image_folder(sets[1], (staging / "test").string());
+            } catch (...) {
+              std::error_code ignored;
+              fs::remove_all(staging, ignored);
+              throw;
+            }
+            fs::remove_all(out);  // --overwrite (or empty): the previous folder goes only now
+            fs::rename(staging, out);
             const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
             std::cout << fmt::format("wrote {} PNG files to {} in {:.1f} s: {}/train/<class>/, {}/test/<class>/ "
                                      "({} classes: {})\n",

@@ -70,7 +70,7 @@ int run_training_command(const LoopFlags& f, const std::string& out_dir, int64_t
   if (f.threads > 0) set_threads(f.threads);
   const auto env = distributed_env_from_environment();
   // Ranks started by a launcher skip the check: rank 0 may already have begun writing.
-  if (!env.active()) check_run_dir(out_dir, !f.resume.empty(), f.overwrite, /*can_resume=*/true);
+  if (!env.active()) check_run_dir(out_dir, f.resume, f.overwrite, /*can_resume=*/true);
   if (f.nproc > 1) {
     if (env.active())
       throw std::invalid_argument(

@@ -16,9 +16,14 @@ void add_overwrite_flag(CLI::App& app, bool& overwrite) {
                "refused");
 }
 
-void check_run_dir(const std::string& out_dir, bool resuming, bool overwrite, bool can_resume,
+void check_run_dir(const std::string& out_dir, const std::string& resume_from, bool overwrite, bool can_resume,
                    const std::vector<std::string>& run_files) {
-  if (resuming || overwrite) return;
+  if (overwrite) return;
+  std::error_code same_error;
+  const auto own = fs::path(out_dir) / "checkpoint.pt";
+  // Resuming the folder's own run continues it; resuming another run into a folder that holds a run
+  // would replace that run's checkpoint and metrics like a fresh start does.
+  if (!resume_from.empty() && fs::exists(own, same_error) && fs::equivalent(resume_from, own, same_error)) return;
   std::string found;
   for (const auto& name : run_files) {
     std::error_code ec;
@@ -27,6 +32,11 @@ void check_run_dir(const std::string& out_dir, bool resuming, bool overwrite, bo
       found += (found.empty() ? "" : ", ") + name;
   }
   if (found.empty()) return;
+  if (!resume_from.empty())
+    throw std::invalid_argument(fmt::format(
+        "--out {} holds another run ({}) and --resume {} is not its checkpoint: resuming there would replace it; "
+        "choose another --out, or replace that run with --overwrite",
+        out_dir, found, resume_from));
   throw std::invalid_argument(fmt::format(
       "--out {} holds a previous run ({}): {}replace it with --overwrite, or choose another --out", out_dir, found,
       can_resume ? fmt::format("continue it with --resume {}/checkpoint.pt, ", out_dir) : std::string()));

@@ -87,6 +87,9 @@ Subcommand add_serve(CLI::App& root) {
   add_precision_flag(*app, f->precision);
 
   return {app, [f]() {
+            // An empty address binds every interface with the Host-header check off: refuse it by name.
+            if (f->serve.host.empty())
+              throw std::invalid_argument("an empty --host is refused: give 127.0.0.1, or 0.0.0.0 for every interface");
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             set_threads(f->threads);
             auto model = train::load_model(f->checkpoint);
