@@ -90,6 +90,18 @@ TEST(BlockedConv, WeightsAreReorderedOncePerUpdate) {
   EXPECT_GT((after_sgd - before_sgd).abs().max().item<double>(), 1e-3);
   EXPECT_LT(max_rel(after_sgd, conv->forward(x).detach()), 1e-5);
   EXPECT_EQ(blocked.reorders(), 5);
+
+  // A bias replaced by another tensor whose version counter happens to equal the old one's: the kept
+  // bias is the old storage's, so the next call must make it again (the weight's check, for the bias).
+  {
+    torch::NoGradGuard no_grad;
+    auto replacement = torch::randn_like(conv->bias);
+    while (replacement._version() < conv->bias._version()) replacement.add_(0.0);
+    ASSERT_EQ(replacement._version(), conv->bias._version());
+    conv->bias.set_data(replacement);
+  }
+  EXPECT_LT(max_rel(infer(), conv->forward(x).detach()), 1e-5);
+  EXPECT_EQ(blocked.reorders(), 6);
 }
 
 TEST(BlockedConv, AutogradKeepsThePlainPath) {

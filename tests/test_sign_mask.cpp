@@ -25,8 +25,9 @@ struct IsaCap {
 };
 const ops::CpuIsa kIsas[] = {ops::CpuIsa::automatic, ops::CpuIsa::baseline};
 
-// Bits against x > 0 element by element, for sizes with and without a partial last byte, and the special
-// values ReLU's backward meets: zero and negative zero pass nothing, NaN nothing, +inf everything.
+// Bits against !(x <= 0) element by element, for sizes with and without a partial last byte, and the
+// special values ReLU's backward meets: zero and negative zero pass nothing, +inf and NaN pass the
+// gradient (threshold_backward's x <= 0 is false for NaN).
 TEST(SignMask, BitsAreTheInputsSignsInEveryDtype) {
   torch::manual_seed(1);
   for (const auto isa : kIsas) for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16}) {
@@ -42,7 +43,7 @@ TEST(SignMask, BitsAreTheInputsSignsInEveryDtype) {
       }
       const auto bits = nn::positive_bits(x);
       ASSERT_EQ(bits.numel(), (n + 7) / 8);
-      const auto positive = x.gt(0).to(torch::kLong);
+      const auto positive = x.le(0).logical_not().to(torch::kLong);
       const auto got = bits.accessor<uint8_t, 1>();
       const auto want = positive.accessor<int64_t, 1>();
       int64_t wrong = 0;
@@ -63,9 +64,15 @@ TEST(SignMask, KeepWherePositiveIsRelusBackward) {
     for (const auto& shape : {std::vector<int64_t>{3, 5, 7, 9}, std::vector<int64_t>{100, 700}}) {  // 945, 70000
       const auto x = torch::randn(shape).to(dtype);
       auto g = torch::randn(shape).to(dtype);
+      // NaN inputs and NaN gradients: ATen passes a gradient where the input is NaN and writes 0 where
+      // the input is <= 0 whatever the gradient; so must the bits.
+      const double nan = std::numeric_limits<double>::quiet_NaN();
+      x.view({-1}).slice(0, 0, 40, 4).fill_(nan);
+      g.view({-1}).slice(0, 0, 40, 3).fill_(nan);
       const auto ref = at::threshold_backward(g, x, 0);
       nn::keep_where_positive_(g, nn::positive_bits(x));
-      EXPECT_TRUE(torch::equal(g, ref)) << dtype << " isa " << static_cast<int>(isa);
+      EXPECT_TRUE(torch::allclose(g, ref, 0, 0, /*equal_nan=*/true)) << dtype << " isa " << static_cast<int>(isa);
+      EXPECT_EQ(g.isnan().sum().item<int64_t>(), ref.isnan().sum().item<int64_t>()) << dtype;
     }
   }
 }

@@ -6,10 +6,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <limits>
 
+#include "capsnet/nn/batch_swapped_conv.h"
 #include "capsnet/nn/blocked_conv.h"
 #include "capsnet/nn/gemm.h"
+#include "capsnet/nn/linear.h"
 #include "capsnet/nn/precision.h"
 #include "capsnet/nn/spectral_conv.h"
 #include "gradcheck.h"
@@ -448,6 +451,39 @@ TEST(Gemm, RefusesShapesThatDoNotChain) {
   EXPECT_THROW(nn::gemm_into(out, torch::randn({5, 7}), torch::randn({7, 4}, torch::kDouble)), c10::Error);
   auto bout = torch::empty({2, 5, 4});
   EXPECT_THROW(nn::batched_gemm_into(bout, torch::randn({3, 5, 7}), torch::randn({3, 7, 4})), c10::Error);
+}
+
+// The hand-written autograd Functions (spectral convolution, convolution with gradient paths, the sgemm
+// linear layer) compute their gradients with kernels autograd cannot see through: a double backward
+// (create_graph) is refused by name instead of returning a silently wrong second derivative. A first
+// backward with create_graph off still works.
+TEST(SpectralConv, ADoubleBackwardIsRefusedByEveryHandWrittenFunction) {
+  torch::manual_seed(12);
+  const auto x = torch::randn({2, 3, 9, 9}, torch::kDouble).requires_grad_();
+  const auto w = torch::randn({4, 3, 3, 3}, torch::kDouble).requires_grad_();
+  const auto b = torch::randn({4}, torch::kDouble).requires_grad_();
+  const auto lx = torch::randn({5, 6}).requires_grad_();
+  const auto lw = torch::randn({4, 6}).requires_grad_();
+  const auto lb = torch::randn({4}).requires_grad_();
+  const std::vector<std::pair<std::string, std::function<torch::Tensor()>>> cases = {
+      {"conv2d_spectral", [&] { return nn::conv2d_spectral(x, w, b, {2, 2}); }},
+      {"conv2d_spectral", [&] { return nn::conv2d_spectral_relu(x, w, b, {2, 2}); }},
+      {"conv2d_with_gradient_paths",
+       [&] { return nn::conv2d_with_gradient_paths(x, w, b, nn::Conv2dGeometry{{2, 2}, {0, 0}, {1, 1}}, {true, true}); }},
+      {"linear_gemm", [&] { return nn::linear_gemm(lx, lw, lb); }},
+  };
+  for (const auto& [name, make] : cases) {
+    auto y = make();
+    auto inputs = name == "linear_gemm" ? std::vector<torch::Tensor>{lx, lw} : std::vector<torch::Tensor>{x, w};
+    try {
+      torch::autograd::grad({y.square().sum()}, inputs, {}, /*retain_graph=*/true, /*create_graph=*/true);
+      ADD_FAILURE() << name << ": a double backward was not refused";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(name + ": double backward"), std::string::npos) << e.what();
+    }
+    const auto g = torch::autograd::grad({y.square().sum()}, inputs);
+    EXPECT_TRUE(g[0].defined() && torch::isfinite(g[0]).all().item<bool>()) << name;
+  }
 }
 
 }  // namespace

@@ -70,7 +70,7 @@ Subcommand add_em(CLI::App& root) {
       ->capture_default_str();
   app->add_option("--lambda-schedule", m.lambda_schedule,
                   "Inverse temperature per routing iteration t: paper = --lambda-base (1 - 0.95^(t+1)) (the authors' "
-                  "schedule), linear = --lambda-first .. --lambda-last (before issue 14)")
+                  "schedule), linear = --lambda-first .. --lambda-last (the earlier default)")
       ->check(CLI::IsMember({"paper", "linear"}))
       ->capture_default_str();
   app->add_option("--lambda-base", m.lambda_base,
@@ -90,14 +90,14 @@ Subcommand add_em(CLI::App& root) {
                               "--logit-offset",
                               [f](const std::string& v) { f->o.model.logit_offset_outside_lambda = v == "outside"; },
                               "outside: a = logistic(beta_a - lambda cost), beta_a learns at its own scale; inside: "
-                              "logistic(lambda (beta_a - cost)) (before issue 14)")
+                              "logistic(lambda (beta_a - cost)) (the earlier default)")
                            ->check(CLI::IsMember({"outside", "inside"}));
   logit_offset->default_str("outside");
   auto* window_routing = app->add_option_function<std::string>(
                                 "--window-routing",
                                 [f](const std::string& v) { f->o.model.cross_window_routing = v == "cross"; },
                                 "cross: a child's R sums to 1 over every parent of every window containing it (the "
-                                "paper); per-window: over the parents of each window (before issue 14)")
+                                "paper); per-window: over the parents of each window (the earlier default)")
                              ->check(CLI::IsMember({"cross", "per-window"}));
   window_routing->default_str("cross");
   app->add_option("--conv1-channels", m.conv1_channels, "A: ReLU Conv1 channels (paper: 64)")

@@ -32,7 +32,7 @@ struct MatrixCapsNetConfig {
   int64_t num_classes = 10;
   int64_t routing_iterations = EmRoutingOptions{}.iterations;
   // Inverse temperature per routing iteration t (0-based): "paper" = the authors' schedule
-  // lambda_base (1 - 0.95^(t+1)); "linear" = lambda_first .. lambda_last (the only one before issue 14;
+  // lambda_base (1 - 0.95^(t+1)); "linear" = lambda_first .. lambda_last (the only one in older checkpoints;
   // with lambda = 1 the class activations saturated and training collapsed, docs/em.md).
   std::string lambda_schedule = "paper";
   // lambda_0 of the paper schedule. 1, not the authors' 0.01: their 0.01 multiplies the paper's cost, whose
@@ -54,11 +54,11 @@ struct MatrixCapsNetConfig {
   double variance_eps = 0.1;
   bool coordinate_addition = true;
 
-  /// The values a stored config without the issue-14 keys means (the model as it was before them):
+  /// The values a stored config without the newer routing keys means (the model as it was before them):
   /// lambda_schedule "linear", logit_offset_outside_lambda false, cross_window_routing false; and
   /// standardize_cost false and variance_eps 1e-4 for a config written before those keys.
   static nlohmann::json legacy_defaults();
-  /// A config from JSON (e.g. a checkpoint's): a missing issue-14 key takes its legacy_defaults() value,
+  /// A config from JSON (e.g. a checkpoint's): a missing newer routing key takes its legacy_defaults() value,
   /// any other missing key its default; unknown keys throw (the derived "grid_sides" is ignored).
   static MatrixCapsNetConfig from_json(const nlohmann::json& j);
 

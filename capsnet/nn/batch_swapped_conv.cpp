@@ -25,6 +25,10 @@ class Conv2dFunction : public torch::autograd::Function<Conv2dFunction> {
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
+    // create_graph: the gradient would be built from kernels autograd cannot see through, so
+    // differentiating it again would be silently wrong. Refused, as the registered ops refuse it.
+    TORCH_CHECK(!torch::GradMode::is_enabled(), "conv2d_with_gradient_paths: double backward (create_graph, "
+                "differentiating the gradient) is not implemented");
     const auto saved = ctx->get_saved_variables();
     const auto& x = saved[0];
     const auto& w = saved[1];

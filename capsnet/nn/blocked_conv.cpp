@@ -16,7 +16,7 @@ std::vector<int64_t> pair_of(const torch::ExpandingArray<2>& a) { return {a->at(
 BlockedConvWeights& BlockedConvWeights::operator=(const BlockedConvWeights&) {
   std::lock_guard<std::mutex> lock(mutex_);
   weight_stamp_.clear();
-  bias_version_ = -1;
+  bias_stamp_.clear();
   weight_ = bias_ = torch::Tensor();
   spectrum_stamp_.clear();
   spectrum_ = torch::Tensor();
@@ -46,13 +46,15 @@ torch::Tensor BlockedConvWeights::forward(const torch::nn::Conv2d& conv, const t
   torch::Tensor weight, bias;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const int64_t bias_version = b.defined() ? b._version() : 0;
-    if (!weight_.defined() || !weight_stamp_.matches(w) || bias_version_ != bias_version || dtype_ != dtype) {
+    // The bias by storage and version, as the weight: a replaced bias tensor can carry the same version.
+    const bool same_bias = b.defined() ? bias_.defined() && bias_stamp_.matches(b) : !bias_.defined();
+    if (!weight_.defined() || !weight_stamp_.matches(w) || !same_bias || dtype_ != dtype) {
       // weight_: [O, C, K, K] in the blocked layout oneDNN's convolution reads for this geometry.
       weight_ = at::mkldnn_reorder_conv2d_weight(w.to(dtype).to_mkldnn(), padding, stride, dilation, o.groups());
       bias_ = b.defined() ? b.to(dtype).to_mkldnn() : torch::Tensor();
       weight_stamp_.record(w);
-      bias_version_ = bias_version;
+      if (b.defined()) bias_stamp_.record(b);
+      else bias_stamp_.clear();
       dtype_ = dtype;
       ++reorders_;
     }

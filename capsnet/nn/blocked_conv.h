@@ -53,7 +53,7 @@ class BlockedConvWeights {
  private:
   mutable std::mutex mutex_;
   TensorStamp weight_stamp_;  // the master weight's storage and version the blocked weights were made from
-  int64_t bias_version_ = -1;
+  TensorStamp bias_stamp_;    // the same for the bias (cleared when there is none)
   torch::ScalarType dtype_ = torch::kFloat32;
   torch::Tensor weight_, bias_;  // blocked weight [O, C, K, K] and blocked bias [O] (or undefined)
   int64_t reorders_ = 0;

@@ -25,10 +25,10 @@ struct EmRoutingOptions {
   int64_t iterations = 3;
   /// Inverse temperature lambda_t of the logistic, one per iteration. Empty: the authors' schedule
   /// paper_inverse_temperature_schedule(iterations, kPaperLambdaBase), i.e. 0.01 (1 - 0.95^(t+1)).
-  /// (Until issue 14 empty meant lambda = 1, the regime in which training collapsed.)
+  /// (Older checkpoints: empty meant lambda = 1, the regime in which training collapsed.)
   std::vector<double> inverse_temperature;
   /// true: a_j = logistic(beta_a - lambda_t sum_h cost^h): beta_a is a logit offset that Adam moves at
-  /// its own scale. false (before issue 14): a_j = logistic(lambda_t (beta_a - sum_h cost^h)), where a
+  /// its own scale. false (the earlier routing): a_j = logistic(lambda_t (beta_a - sum_h cost^h)), where a
   /// small lambda also shrinks beta_a's effect and its gradient.
   bool logit_offset_outside_lambda = true;
   /// Over which parents a child's R sums to 1 in the E-step. Given log_weights = log(a_j p_ij):

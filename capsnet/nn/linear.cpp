@@ -21,6 +21,10 @@ class LinearGemmFunction : public torch::autograd::Function<LinearGemmFunction> 
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
+    // create_graph: the gradient would be built from kernels autograd cannot see through, so
+    // differentiating it again would be silently wrong. Refused, as the registered ops refuse it.
+    TORCH_CHECK(!torch::GradMode::is_enabled(), "linear_gemm: double backward (create_graph, "
+                "differentiating the gradient) is not implemented");
     const auto saved = ctx->get_saved_variables();
     const auto& x = saved[0];
     const auto& w = saved[1];

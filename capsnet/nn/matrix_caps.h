@@ -52,7 +52,7 @@ struct ConvMatrixCapsOptions {
   TORCH_ARG(int64_t, kernel_size) = 3;  // K
   TORCH_ARG(int64_t, stride) = 1;
   /// true (the paper): a child's R is normalised over the C parents of every window that contains it
-  /// (it splits its unit of vote over all of them). false (before issue 14): over the C parents of each
+  /// (it splits its unit of vote over all of them). false (the earlier routing): over the C parents of each
   /// window separately, as if every window had its own copy of the child.
   TORCH_ARG(bool, cross_window) = true;
   TORCH_ARG(EmRoutingOptions, routing) = {};

@@ -25,7 +25,7 @@ void bits_baseline(const T* in, uint8_t* out, int64_t begin, int64_t end) {  // 
   for (int64_t byte = begin / 8; byte < (end + 7) / 8; ++byte) {
     uint8_t b = 0;
     for (int64_t k = 0; k < 8 && byte * 8 + k < end; ++k)
-      b |= static_cast<uint8_t>(static_cast<float>(in[byte * 8 + k]) > 0.0f) << k;
+      b |= static_cast<uint8_t>(!(static_cast<float>(in[byte * 8 + k]) <= 0.0f)) << k;  // NaN: 1
     out[byte] = b;
   }
 }
@@ -55,7 +55,7 @@ __attribute__((target("avx512f"))) __m512 load16_avx512(const c10::BFloat16* p) 
 template <typename T>
 __attribute__((target("avx512f"))) void bits_avx512(const T* in, uint8_t* out, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; i += 16) {
-    const __mmask16 m = _mm512_cmp_ps_mask(load16_avx512(in + i), _mm512_setzero_ps(), _CMP_GT_OQ);  // NaN: 0
+    const __mmask16 m = _mm512_cmp_ps_mask(load16_avx512(in + i), _mm512_setzero_ps(), _CMP_NLE_UQ);  // NaN: 1
     std::memcpy(out + i / 8, &m, 2);
   }
 }

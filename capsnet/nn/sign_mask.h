@@ -5,8 +5,8 @@
 
 namespace capsnet::nn {
 
-/// Bit i of the result is 1 where x's i-th element (contiguous order) is > 0, as ReLU's backward reads it
-/// (threshold_backward: a zero or negative input passes no gradient; NaN passes none either).
+/// Bit i of the result is 1 where x's i-th element (contiguous order) is not <= 0, as ReLU's backward reads
+/// it (threshold_backward: a zero or negative input passes no gradient; a NaN input passes it, as ATen's).
 /// x: any shape, float32, float64 or bfloat16, CPU -> [ceil(numel / 8)] uint8. Why: ReLU's backward
 /// otherwise keeps its whole output (PrimaryCaps' input, bf16: 20.5 MB; as bits 1.3 MB).
 torch::Tensor positive_bits(const torch::Tensor& x);

@@ -386,6 +386,10 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
     const auto w = ctx->get_saved_variables()[0];
+    // create_graph: the gradient would be built from kernels autograd cannot see through, so
+    // differentiating it again would be silently wrong. Refused, as the registered ops refuse it.
+    TORCH_CHECK(!torch::GradMode::is_enabled(), "conv2d_spectral: double backward (create_graph, "
+                "differentiating the gradient) is not implemented");
     auto input = ctx->saved_data["input"].toTensor();
     TORCH_CHECK(input._version() == ctx->saved_data["input_version"].toInt(),
                 "conv2d_spectral: its input was modified by an in-place operation after the forward; the "

@@ -408,7 +408,7 @@ models::MatrixCapsNet load_matrix_model(const std::string& path) {
   const auto config =
       parse_config<models::MatrixCapsNetConfig, CheckpointError>(meta.model_config, fmt::format("checkpoint {}", path));
   models::MatrixCapsNet model(config);
-  // Through from_json, as a resume compares them: a config from before issue 14 means the legacy routing.
+  // Through from_json, as a resume compares them: a config without the newer routing keys means the earlier routing.
   load_checkpoint(path, *model, nullptr, [&](const nlohmann::json& saved) {
     return models::MatrixCapsNetConfig::from_json(saved).to_json() == config.to_json();
   });

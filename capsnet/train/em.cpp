@@ -102,7 +102,7 @@ class EmTask : public Task {
     return model_.ptr();
   }
   nlohmann::json model_config() const override { return o_.model.to_json(); }
-  // Through from_json: a checkpoint from before issue 14 lacks the new routing keys and means the
+  // Through from_json: an older checkpoint lacks the new routing keys and means the
   // legacy routing, so it resumes only into a run configured that way.
   bool config_matches(const nlohmann::json& saved) const override {
     try {
