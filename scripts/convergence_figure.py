@@ -4,9 +4,13 @@ drawn as horizontal lines, and the time-to-accuracy table read off the same metr
 
 Usage: convergence_figure.py OUT.svg LABEL=RUN_DIR/metrics.jsonl [LABEL=...] [--table OUT.md]
 
-Times are wall-clock seconds from the run's first "start" record to the first "eval" record at or
-above each accuracy (the records' "time" stamps), and the training seconds of the steps alone
-("train_seconds"); a resumed run adds its segments' training seconds.
+Times are wall-clock seconds from the run's first "start" record to the first test "eval" record at
+or above each accuracy (the records' "time" stamps), and the training seconds of the steps alone
+("train_seconds"); a resumed run adds its segments' training seconds. A run with a validation split
+(`capsnet train --val N`) also has "eval" records with "split": "val": they are drawn dashed in the
+run's colour, and the table names the epoch the validation picked (best.pt) with its test accuracy.
+Options: --pause-seconds LABEL=S[@EPOCH] subtracts S seconds of a stopped process from the times of
+that run's evaluations after EPOCH (default: all).
 """
 import json
 import math
@@ -18,11 +22,11 @@ ANCHORS = [  # (test error %, label) for MNIST: the paper and the best verified 
     (0.34, "XifengGuo mean of 50 epochs 0.34%"),
 ]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
-THRESHOLDS = [0.99, 0.995, 0.997]
+THRESHOLDS = [0.99, 0.995, 0.996, 0.997]
 
 
 def read_run(path):
-    evals, start_time, segment_base, last_train_seconds = [], None, 0.0, 0.0
+    evals, val, start_time, segment_base, last_train_seconds = [], [], None, 0.0, 0.0
     with open(path) as f:
         for line in f:
             try:
@@ -38,16 +42,17 @@ def read_run(path):
                 last_train_seconds = 0.0
             elif r.get("event") == "eval" and "accuracy" in r:
                 last_train_seconds = r.get("train_seconds", 0.0)
-                evals.append({"epoch": r["epoch"], "accuracy": r["accuracy"],
-                              "wall": (r["time"] - start_time) if start_time and "time" in r else None,
-                              "train": segment_base + last_train_seconds})
-    return evals
+                e = {"epoch": r["epoch"], "accuracy": r["accuracy"], "loss": r.get("loss", 0.0),
+                     "wall": (r["time"] - start_time) if start_time and "time" in r else None,
+                     "train": segment_base + last_train_seconds}
+                (val if r.get("split") == "val" else evals).append(e)
+    return evals, val
 
 
 def svg(runs, out):
     W, H, L, R, T, B = 640, 400, 70, 20, 20, 50
-    max_epoch = max(e["epoch"] for _, ev in runs for e in ev)
-    errors = [100 * (1 - e["accuracy"]) for _, ev in runs for e in ev] + [a for a, _ in ANCHORS]
+    max_epoch = max(e["epoch"] for _, ev, _ in runs for e in ev)
+    errors = [100 * (1 - e["accuracy"]) for _, ev, va in runs for e in ev + va] + [a for a, _ in ANCHORS]
     lo, hi = math.log10(min(errors) * 0.8), math.log10(max(errors) * 1.2)
     x = lambda ep: L + (W - L - R) * ep / max_epoch
     y = lambda err: T + (H - T - B) * (hi - math.log10(err)) / (hi - lo)
@@ -68,29 +73,48 @@ def svg(runs, out):
     for err, label in ANCHORS:
         parts.append(f'<line x1="{L}" y1="{y(err):.1f}" x2="{W - R}" y2="{y(err):.1f}" stroke="#999" stroke-dasharray="5,4"/>')
         parts.append(f'<text x="{W - R - 4}" y="{y(err) - 3:.1f}" text-anchor="end" fill="#666">{label}</text>')
-    for i, (label, ev) in enumerate(runs):
+    for i, (label, ev, va) in enumerate(runs):
         c = COLORS[i % len(COLORS)]
+        if va:
+            pts = " ".join(f"{x(e['epoch']):.1f},{y(100 * (1 - e['accuracy'])):.1f}" for e in va)
+            parts.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="1.5" stroke-dasharray="4,3"/>')
         pts = " ".join(f"{x(e['epoch']):.1f},{y(100 * (1 - e['accuracy'])):.1f}" for e in ev)
         parts.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="2"/>')
         for e in ev:
             parts.append(f'<circle cx="{x(e["epoch"]):.1f}" cy="{y(100 * (1 - e["accuracy"])):.1f}" r="2.5" fill="{c}"/>')
         parts.append(f'<line x1="{L + 10}" y1="{T + 14 + 16 * i}" x2="{L + 30}" y2="{T + 14 + 16 * i}" stroke="{c}" stroke-width="2"/>')
-        parts.append(f'<text x="{L + 36}" y="{T + 18 + 16 * i}">{label}</text>')
+        parts.append(f'<text x="{L + 36}" y="{T + 18 + 16 * i}">{label}{" (dashed: validation)" if va else ""}</text>')
     parts.append("</svg>")
     with open(out, "w") as f:
         f.write("\n".join(parts) + "\n")
 
 
+def picked(ev, va):
+    """The epoch best.pt holds: highest validation accuracy, ties to the lower loss, then the earlier."""
+    if not va:
+        return None
+    best = va[0]
+    for e in va[1:]:
+        if e["accuracy"] > best["accuracy"] or (e["accuracy"] == best["accuracy"] and e["loss"] < best["loss"]):
+            best = e
+    test = next((t for t in ev if t["epoch"] == best["epoch"]), None)
+    return best, test
+
+
 def table(runs):
     fmt = lambda s: "–" if s is None else f"{s / 60:.1f} min"
-    rows = ["| run | epochs | final test accuracy | " + " | ".join(f"to {100 * t:g}% (wall / train)" for t in THRESHOLDS) + " |",
-            "|---|---:|---:|" + "---:|" * len(THRESHOLDS)]
-    for label, ev in runs:
+    rows = ["| run | epochs | final test accuracy | picked on validation (val / test) | " +
+            " | ".join(f"to {100 * t:g}% (wall / train)" for t in THRESHOLDS) + " |",
+            "|---|---:|---:|---:|" + "---:|" * len(THRESHOLDS)]
+    for label, ev, va in runs:
+        p = picked(ev, va)
+        test_at_pick = "?" if p is None or p[1] is None else f"{100 * p[1]['accuracy']:.2f}%"
+        pick = "–" if p is None else f"epoch {p[0]['epoch']:g}: {100 * p[0]['accuracy']:.2f}% / {test_at_pick}"
         cells = []
         for t in THRESHOLDS:
             hit = next((e for e in ev if e["accuracy"] >= t), None)
             cells.append("not reached" if hit is None else f"{fmt(hit['wall'])} / {fmt(hit['train'])} (epoch {hit['epoch']:g})")
-        rows.append(f"| {label} | {ev[-1]['epoch']:g} | {100 * ev[-1]['accuracy']:.2f}% | " + " | ".join(cells) + " |")
+        rows.append(f"| {label} | {ev[-1]['epoch']:g} | {100 * ev[-1]['accuracy']:.2f}% | {pick} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 
 
@@ -103,13 +127,27 @@ def main():
         del args[i:i + 2]
     if len(args) < 2:
         sys.exit(__doc__)
+    pauses = {}
+    while "--pause-seconds" in args:
+        i = args.index("--pause-seconds")
+        label, spec = args[i + 1].split("=", 1)
+        seconds, _, after = spec.partition("@")
+        pauses[label] = (float(seconds), float(after) if after else -1.0)
+        del args[i:i + 2]
     runs = []
     for a in args[1:]:
         label, path = a.split("=", 1)
-        ev = read_run(path)
+        ev, va = read_run(path)
         if not ev:
             sys.exit(f"{path}: no eval records")
-        runs.append((label, ev))
+        if label in pauses:
+            seconds, after = pauses[label]
+            for e in ev + va:
+                if e["epoch"] > after:
+                    e["train"] -= seconds
+                    if e["wall"] is not None:
+                        e["wall"] -= seconds
+        runs.append((label, ev, va))
     svg(runs, args[0])
     t = table(runs)
     print(t, end="")
