@@ -1,4 +1,5 @@
 #include "apps/report.h"
+#include "capsnet/train/json_input.h"
 
 #include <fmt/format.h>
 
@@ -37,37 +38,9 @@ std::string number(double v) {
 // a crafted file may nest 100,000 levels (the parser itself is iterative), which would overflow the stack.
 constexpr int kMaxTableDepth = 32;
 
-// Files the report reads are untrusted: values nested deeper than this are refused when parsed, as
-// malformed. Parsing is iterative, but copying and destroying a value recurse once per level (a
-// bench summary nested 1,000,000 levels crashed the report in a copy); our own files nest < 10.
-constexpr int kMaxParseDepth = 100000;
-
-// Deepest nesting of arrays and objects in JSON text (brackets inside strings do not count).
-int json_nesting_depth(const std::string& text) {
-  int depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
-  for (const char c : text) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      deepest = std::max(deepest, ++depth);
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return deepest;
-}
-
-// text -> JSON, or a discarded value when malformed or nested deeper than kMaxParseDepth (measured
-// before parsing: nlohmann's callback parser copies values, which recurses too).
-nlohmann::json parse_untrusted(const std::string& text) {
-  if (json_nesting_depth(text) > kMaxParseDepth) return nlohmann::json(nlohmann::json::value_t::discarded);
-  return nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-}
+// Files the report reads are untrusted: values nested deeper than train::kMaxJsonDepth are refused when
+// parsed, as malformed (copying and destroying a value recurse once per level).
+nlohmann::json parse_untrusted(const std::string& text) { return train::parse_json_or_discarded(text); }
 
 std::string json_table_at(const nlohmann::json& value, const std::vector<std::string>& leading_columns, int depth);
 

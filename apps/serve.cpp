@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "apps/deadline_server.h"
+#include "capsnet/train/json_input.h"
 
 namespace capsnet::apps {
 namespace {
@@ -34,9 +35,9 @@ std::vector<float> to_vector(const torch::Tensor& t) {
 
 /// Parses a JSON object body; std::nullopt (and `error` set) when it is not one.
 std::optional<json> parse_object(const std::string& body, std::string& error) {
-  auto j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  auto j = train::parse_json_or_discarded(body);
   if (j.is_discarded()) {
-    error = "request body is not valid JSON";
+    error = fmt::format("request body is not valid JSON of at most {} levels", train::kMaxJsonDepth);
     return std::nullopt;
   }
   if (!j.is_object()) {
@@ -238,7 +239,7 @@ ApiResponse LiveViewerApi::metrics(const std::string& run) const {
   if (truncated) std::getline(in, line);  // a partial first line
   json records = json::array();
   while (std::getline(in, line)) {
-    auto r = json::parse(line, nullptr, false);
+    auto r = train::parse_json_or_discarded(line);
     if (!r.is_discarded() && r.is_object()) records.push_back(std::move(r));
   }
   return json_response(200, json{{"run", run}, {"records", std::move(records)}, {"truncated", truncated}});

@@ -7,8 +7,10 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <sstream>
 #include <memory>
 
+#include "capsnet/train/json_input.h"
 #include "capsnet/data/mnist.h"
 #include "capsnet/nn/precision.h"
 #include "apps/runtime.h"
@@ -55,7 +57,9 @@ const std::vector<std::string> kRunFiles = {"result.json", "settings.json", "che
 nlohmann::json read_json_object(const std::string& path) {
   std::ifstream in(path);
   if (!in) return nullptr;
-  auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  std::ostringstream text;
+  text << in.rdbuf();
+  auto j = train::parse_json_or_discarded(text.str());
   return j.is_object() ? j : nlohmann::json();
 }
 

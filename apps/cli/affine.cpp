@@ -13,6 +13,7 @@
 #include <iostream>
 #include <memory>
 
+#include "capsnet/train/json_input.h"
 #include "capsnet/data/affine.h"
 #include "capsnet/data/mnist.h"
 #include "capsnet/data/transforms.h"
@@ -92,7 +93,7 @@ SubRunLog read_sub_run(const std::string& run_dir) {
   double part_seconds = 0;
   int64_t part_first_image = 0;
   while (std::getline(in, line)) {
-    const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    const auto j = train::parse_json_or_discarded(line);
     if (!j.is_object() || !j.contains("event")) continue;
     const auto event = j["event"];
     if (event == "start") {

@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "apps/benchmark.h"
+#include "capsnet/train/json_input.h"
 #include "apps/runtime.h"
 #include "apps/cli/commands.h"
 
@@ -88,7 +89,7 @@ nlohmann::json last_json_line(const std::string& out, const std::string& command
   while (std::getline(lines, line))
     if (!line.empty() && line.front() == '{') last_json = line;
   if (last_json.empty()) throw std::runtime_error("bench: worker printed no result: " + command);
-  return nlohmann::json::parse(last_json);
+  return train::parse_json(last_json, "bench: the worker's result (" + command + ")");
 }
 
 nlohmann::json run_worker(const std::string& command) { return last_json_line(run_capture(command), command); }

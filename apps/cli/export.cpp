@@ -4,6 +4,7 @@
 #include <iostream>
 #include <memory>
 
+#include "capsnet/train/json_input.h"
 #include "capsnet/train/export.h"
 #include "apps/runtime.h"
 #include "apps/cli/commands.h"
@@ -43,12 +44,7 @@ Subcommand add_export(CLI::App& root) {
             o.probe_seed = f->probe_seed;
             o.storage = train::parse_weight_storage(f->storage);
             if (!f->card.empty()) {
-              std::ifstream in(f->card);
-              try {
-                o.card = nlohmann::json::parse(in);
-              } catch (const nlohmann::json::exception& e) {
-                throw std::invalid_argument(fmt::format("--card {}: not JSON: {}", f->card, e.what()));
-              }
+              o.card = train::read_json_file(f->card);  // "PATH: not JSON (...)", or nested too deep
             }
             auto s = train::export_checkpoint(f->checkpoint, f->out, o);
             std::cout << fmt::format("exported {} (step {}): {} tensors, {} parameters, {} storage{} -> {} ({:.1f} MB)\n",
