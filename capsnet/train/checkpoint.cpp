@@ -1,4 +1,5 @@
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/json_input.h"
 
 #include "capsnet/data/mnist.h"
 
@@ -79,9 +80,10 @@ nlohmann::json read_meta_json(const std::string& path, torch::serialize::InputAr
   c10::IValue value;
   if (!archive.try_read("meta", value) || !value.isString())
     throw CheckpointError(fmt::format("checkpoint {}: no capsnet metadata (not a capsnet checkpoint?)", path));
-  auto j = nlohmann::json::parse(value.toStringRef(), nullptr, /*allow_exceptions=*/false);
+  auto j = parse_json_or_discarded(value.toStringRef());
   if (j.is_discarded() || !j.is_object())
-    throw CheckpointError(fmt::format("checkpoint {}: corrupt (its metadata is not a JSON object)", path));
+    throw CheckpointError(fmt::format(
+        "checkpoint {}: corrupt (its metadata is not a JSON object of at most {} levels)", path, kMaxJsonDepth));
   return j;
 }
 

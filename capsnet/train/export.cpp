@@ -1,4 +1,5 @@
 #include "capsnet/train/export.h"
+#include "capsnet/train/json_input.h"
 
 #include <fmt/format.h>
 
@@ -331,9 +332,9 @@ ExportedWeights read_weights(const std::string& path) {
   auto step = get("step");
   if (!config.isString() || !step.isInt()) throw ExportError(fmt::format("weights {}: malformed header", path));
   try {
-    w.config = nlohmann::json::parse(config.toStringRef());
-  } catch (const nlohmann::json::exception& e) {
-    throw ExportError(fmt::format("weights {}: config is not JSON: {}", path, e.what()));
+    w.config = parse_json(config.toStringRef(), fmt::format("weights {}: config", path));
+  } catch (const std::invalid_argument& e) {
+    throw ExportError(e.what());
   }
   w.step = step.toInt();
   w.state_dict = read_tensor_dict(path, "state_dict", get("state_dict"));
@@ -342,9 +343,9 @@ ExportedWeights read_weights(const std::string& path) {
     auto card = get("card");
     if (!card.isString()) throw ExportError(fmt::format("weights {}: 'card' is not a string", path));
     try {
-      w.card = nlohmann::json::parse(card.toStringRef());
-    } catch (const nlohmann::json::exception& e) {
-      throw ExportError(fmt::format("weights {}: card is not JSON: {}", path, e.what()));
+      w.card = parse_json(card.toStringRef(), fmt::format("weights {}: card", path));
+    } catch (const std::invalid_argument& e) {
+      throw ExportError(e.what());
     }
   }
   return w;
