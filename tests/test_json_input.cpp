@@ -19,7 +19,7 @@ std::string nested(int depth, const std::string& inner = "1") {
 TEST(JsonInput, DepthCountsBracketsOutsideStringsOnly) {
   EXPECT_EQ(train::json_nesting_depth("{}"), 1);
   EXPECT_EQ(train::json_nesting_depth("1"), 0);
-  EXPECT_EQ(train::json_nesting_depth(R"({"a": [[1], {"b": []}]})"), 3);
+  EXPECT_EQ(train::json_nesting_depth(R"({"a": [[1], {"b": []}]})"), 4);
   EXPECT_EQ(train::json_nesting_depth(R"({"a": "[[[[{{{{", "b": "\"[[["})"), 1);
   EXPECT_EQ(train::json_nesting_depth(nested(1000000)), 1000000);
 }

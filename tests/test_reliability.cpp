@@ -19,6 +19,7 @@
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/evaluate.h"
 #include "capsnet/train/export.h"
+#include "capsnet/train/json_input.h"
 #include "capsnet/train/metrics.h"
 #include "capsnet/train/trainer.h"
 #include "apps/report.h"
@@ -435,23 +436,29 @@ TEST(Reliability, ReportSurvivesNestedArraysAndMalformedMetricsLines) {
   expect_contains(html, "90.00%");  // the one good eval record
 }
 
-TEST(Reliability, ReportRendersJsonNestedAHundredThousandLevelsDeep) {
-  // The parser is iterative; rendering recurses once per level and stops at a fixed depth ("…").
-  const int depth = 100000;
-  std::string arrays = std::string(depth, '[') + std::string(depth, ']');
-  std::string objects;
-  for (int i = 0; i < depth; ++i) objects += "{\"a\":";
-  objects += "1" + std::string(depth, '}');
-  const auto html = apps::json_table(nlohmann::json::parse(arrays));
+TEST(Reliability, ReportRendersJsonAtTheDepthLimitAndSkipsDeeperFiles) {
+  // Rendering a value recurses once per level and stops at a fixed depth ("…"), whatever the value.
+  const int deep = 100000;
+  const auto html = apps::json_table(nlohmann::json::parse(std::string(deep, '[') + std::string(deep, ']')));
   expect_contains(html, "…");
   EXPECT_LT(html.size(), 10000u);
+  // Files are read through the one nesting limit (train::kMaxJsonDepth): at the limit they render,
+  // one level deeper (and 100,000 levels, which crashed the report before) they are skipped.
+  auto arrays = [](int depth) { return std::string(depth, '[') + std::string(depth, ']'); };
+  auto objects = [](int depth) {
+    std::string o;
+    for (int i = 0; i < depth; ++i) o += "{\"a\":";
+    return o + "1" + std::string(depth, '}');
+  };
   TempDir dir;
   fs::create_directories(dir / "run");
-  write_bytes(dir / "run/arrays.json", arrays);
-  write_bytes(dir / "run/objects.json", objects);
-  write_bytes(dir / "run/metrics.jsonl", objects + "\n{\"event\":\"eval\",\"step\":5,\"accuracy\":0.9}\n");
+  write_bytes(dir / "run/arrays.json", arrays(train::kMaxJsonDepth));
+  write_bytes(dir / "run/objects.json", objects(train::kMaxJsonDepth));
+  write_bytes(dir / "run/too_deep.json", arrays(train::kMaxJsonDepth + 1));
+  write_bytes(dir / "run/far_too_deep.json", objects(deep));
+  write_bytes(dir / "run/metrics.jsonl", objects(deep) + "\n{\"event\":\"eval\",\"step\":5,\"accuracy\":0.9}\n");
   const auto summary = apps::write_report(dir.str(), dir / "report.html", "t");
-  EXPECT_EQ(summary.tables, 2);
+  EXPECT_EQ(summary.tables, 2);  // arrays.json and objects.json
   const auto page = read_bytes(dir / "report.html");
   expect_contains(page, "…");
   expect_contains(page, "90.00%");
