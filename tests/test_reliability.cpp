@@ -684,6 +684,30 @@ TEST_F(ReliabilityCli, OutputsAreCheckedAndNeverReplaceTheFilesACommandReads) {
   EXPECT_EQ(r.status, 1) << r.output;
   expect_contains(r.output, "is the input");
   EXPECT_EQ(read_bytes(script), "print('peer')\n");
+
+  // Every file a command reads counts, not only the checkpoint: reconstruct's IDX files, predict's
+  // images inside a folder it was given, export's card.
+  const auto images_before = read_bytes(images);
+  r = run_command(kCli + " reconstruct --checkpoint " + ckpt + " --data " + data_ + " --out " + images);
+  EXPECT_EQ(r.status, 1) << r.output;
+  expect_contains(r.output, "is the input");
+  EXPECT_EQ(read_bytes(images), images_before);
+  const auto folder = *dir_ / "pngs";
+  fs::create_directories(folder + "/sub");
+  auto png = run_command(kCli + " reconstruct --checkpoint " + ckpt + " --data " + data_ + " --correct 1 --wrong 0 --out " +
+                         folder + "/sub/0.png");
+  ASSERT_EQ(png.status, 0) << png.output;
+  const auto png_before = read_bytes(folder + "/sub/0.png");
+  r = run_command(kCli + " predict --checkpoint " + ckpt + " --output " + folder + "/sub/0.png " + folder);
+  EXPECT_EQ(r.status, 1) << r.output;
+  expect_contains(r.output, "is the input");
+  EXPECT_EQ(read_bytes(folder + "/sub/0.png"), png_before);
+  const auto card = *dir_ / "card.json";
+  write_bytes(card, "{\"dataset\": \"mnist\"}");
+  r = run_command(kCli + " export --checkpoint " + ckpt + " --card " + card + " --out " + card);
+  EXPECT_EQ(r.status, 1) << r.output;
+  expect_contains(r.output, "is the input");
+  EXPECT_EQ(read_bytes(card), "{\"dataset\": \"mnist\"}");
 }
 
 TEST_F(ReliabilityCli, PredictInSmallBatchesAnswersExactlyAsInOneBatch) {

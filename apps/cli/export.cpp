@@ -38,6 +38,7 @@ Subcommand add_export(CLI::App& root) {
 
   return {app, [f]() {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
+            check_not_an_input(f->out, {f->checkpoint, f->card});  // before anything is opened for writing
             if (f->threads > 0) set_threads(f->threads);
             train::ExportOptions o;
             o.probe = f->probe;

@@ -187,9 +187,9 @@ Subcommand add_predict(CLI::App& root) {
   return {app, [f]() {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             if (f->json) f->format = "jsonl";
-            if (!f->output.empty()) {
-              auto inputs = f->inputs;
-              inputs.push_back(f->checkpoint);
+            if (!f->output.empty()) {  // every file predict reads: folders expanded to their images
+              std::vector<std::string> inputs{f->checkpoint};
+              for (const auto& s : expand_inputs(f->inputs)) inputs.push_back(s.path);
               check_not_an_input(f->output, inputs);
             }
             if (f->threads > 0) set_threads(f->threads);

@@ -38,7 +38,8 @@ Subcommand add_reconstruct(CLI::App& root) {
 
   return {app, [f]() {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
-            check_not_an_input(f->out, {f->checkpoint});
+            check_not_an_input(f->out, {f->checkpoint, data::mnist_images_path(f->data.resolved(), data::Split::kTest),
+                                        data::mnist_labels_path(f->data.resolved(), data::Split::kTest)});
             if (f->threads > 0) set_threads(f->threads);
             if (f->correct + f->wrong == 0) throw std::invalid_argument("nothing to show: --correct and --wrong are 0");
             auto model = train::load_model(f->checkpoint);
