@@ -177,8 +177,9 @@ TEST(SpectralConv, Bf16StaysWithinItsRoundingOfFloat64) {
   const auto relative = [](const torch::Tensor& a, const torch::Tensor& r) {
     return ((a.to(torch::kDouble) - r).abs().max() / r.abs().max()).item<double>();
   };
-  // Largest errors measured (2-core AMD EPYC Zen 5, oneDNN's bf16 matmul): (to be measured)
-  const double bound[4] = {1e-2, 1e-2, 1e-2, 1e-2};  // y, dx, dw, db
+  // Largest errors measured (2-core AMD EPYC Zen 5, oneDNN's bf16 matmul), either chunking: y 6.48e-3,
+  // dx 5.83e-3, dw 5.81e-3, db 0 (dy's bf16 values summed in fp32 are exact here).
+  const double bound[4] = {9.5e-3, 8.5e-3, 8.5e-3, 1e-6};  // y, dx, dw, db
   const char* what[4] = {"y", "dx", "dw", "db"};
   for (const int64_t chunk_bytes : {nn::kSpectralChunkBytes, int64_t{1}}) {
     torch::manual_seed(10);
