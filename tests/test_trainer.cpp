@@ -107,43 +107,43 @@ TEST(TrainerTest, LossDecreasesAndMetricsAreWritten) {
   EXPECT_EQ(trains, 20); // every 2 steps
 }
 
-TEST(TrainerTest, LearningRateDecaysPerEpoch) {
-  auto set = testing::synthetic_set(32, 12, 4);  // 2 steps per epoch
-  TempDir dir;
+// The learning rate of every step of a run on 32 examples (2 steps per epoch), x0.5 per decay period.
+std::vector<double> logged_rates(const std::string& out_dir, int64_t steps, int64_t lr_decay_steps) {
+  auto set = testing::synthetic_set(32, 12, 4);
   std::ostringstream log;
-  auto o = tiny_options(dir / "run");
-  o.max_steps = 4;
+  auto o = tiny_options(out_dir);
+  o.max_steps = steps;
   o.log_every = 1;
   o.lr_decay = 0.5;
+  o.lr_decay_steps = lr_decay_steps;
   train::train(o, set, nullptr, log);
   std::vector<double> lrs;
   for (const auto& j : read_jsonl(train::metrics_path(o.out_dir)))
     if (j["event"] == "train") lrs.push_back(j["lr"].get<double>());
+  return lrs;
+}
+
+TEST(TrainerTest, LearningRateDecaysPerEpoch) {
+  TempDir dir;
+  const double lr = tiny_options("").lr;
+  const auto lrs = logged_rates(dir / "run", 4, 0);
   ASSERT_EQ(lrs.size(), 4u);
-  EXPECT_DOUBLE_EQ(lrs[0], o.lr);                  // step 0
-  EXPECT_DOUBLE_EQ(lrs[1], o.lr * std::sqrt(0.5));  // half an epoch
-  EXPECT_DOUBLE_EQ(lrs[2], o.lr * 0.5);             // one epoch
+  EXPECT_DOUBLE_EQ(lrs[0], lr);                  // step 0
+  EXPECT_DOUBLE_EQ(lrs[1], lr * std::sqrt(0.5));  // half an epoch
+  EXPECT_DOUBLE_EQ(lrs[2], lr * 0.5);             // one epoch
 }
 
 TEST(TrainerTest, LearningRateDecaysPerPeriodOfSteps) {
   // The authors' schedule: x lr_decay every lr_decay_steps steps, whatever the epoch length (smoothly).
-  auto set = testing::synthetic_set(32, 12, 4);  // 2 steps per epoch
   TempDir dir;
-  std::ostringstream log;
-  auto o = tiny_options(dir / "run");
-  o.max_steps = 5;
-  o.log_every = 1;
-  o.lr_decay = 0.5;
-  o.lr_decay_steps = 4;
-  train::train(o, set, nullptr, log);
-  std::vector<double> lrs;
-  for (const auto& j : read_jsonl(train::metrics_path(o.out_dir)))
-    if (j["event"] == "train") lrs.push_back(j["lr"].get<double>());
+  const double lr = tiny_options("").lr;
+  const auto lrs = logged_rates(dir / "run", 5, 4);
   ASSERT_EQ(lrs.size(), 5u);
-  EXPECT_DOUBLE_EQ(lrs[0], o.lr);
-  EXPECT_DOUBLE_EQ(lrs[2], o.lr * std::sqrt(0.5));  // 2 steps = half a period (one epoch)
-  EXPECT_DOUBLE_EQ(lrs[4], o.lr * 0.5);             // 4 steps = one period
+  EXPECT_DOUBLE_EQ(lrs[0], lr);
+  EXPECT_DOUBLE_EQ(lrs[2], lr * std::sqrt(0.5));  // 2 steps = half a period (one epoch)
+  EXPECT_DOUBLE_EQ(lrs[4], lr * 0.5);             // 4 steps = one period
 
+  auto o = tiny_options(dir / "bad");
   o.lr_decay_steps = -1;
   EXPECT_THROW(o.validate(), std::invalid_argument);
 }
