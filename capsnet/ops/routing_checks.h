@@ -10,9 +10,22 @@
 
 namespace capsnet::ops::detail {
 
+/// float32 / float64 on every device; CUDA kernels also take float16 / bfloat16 (fp32 accumulation).
 inline void check_dtype(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, op, ": ", name,
-              " must be float32 or float64, got ", t.scalar_type());
+  const auto s = t.scalar_type();
+  if (t.is_cuda()) {
+    TORCH_CHECK(s == at::kFloat || s == at::kDouble || s == at::kHalf || s == at::kBFloat16, op, ": ", name,
+                " must be float32, float64, float16 or bfloat16 on CUDA, got ", s);
+    return;
+  }
+  TORCH_CHECK(s == at::kFloat || s == at::kDouble, op, ": ", name, " must be float32 or float64 on the CPU, got ", s,
+              s == at::kHalf || s == at::kBFloat16 ? " (float16 / bfloat16 run on CUDA tensors only)" : "");
+}
+
+/// Dtype of the routing state s_all: the input's, except float32 for float16 / bfloat16 inputs (the CUDA
+/// kernels accumulate and keep the state in float32).
+inline at::ScalarType state_dtype(at::ScalarType input) {
+  return input == at::kHalf || input == at::kBFloat16 ? at::kFloat : input;
 }
 
 inline void check_iterations(const char* op, int64_t iterations) {
@@ -52,9 +65,9 @@ inline void check_backward_state(const char* op, const at::Tensor& grad_v, const
   TORCH_CHECK(s_all.defined() && s_all.dim() == 4 && s_all.size(0) == B && s_all.size(1) >= 1 && s_all.size(2) == J &&
                   s_all.size(3) == D,
               op, ": s_all must be [", B, ", r >= 1, ", J, ", ", D, "], got ", s_all.sizes());
-  TORCH_CHECK(grad_v.scalar_type() == like.scalar_type() && s_all.scalar_type() == like.scalar_type(), op,
-              ": grad_v and s_all must have dtype ", like.scalar_type(), ", got ", grad_v.scalar_type(), " and ",
-              s_all.scalar_type());
+  TORCH_CHECK(grad_v.scalar_type() == like.scalar_type() && s_all.scalar_type() == state_dtype(like.scalar_type()),
+              op, ": grad_v and s_all must have dtypes ", like.scalar_type(), " and ", state_dtype(like.scalar_type()),
+              ", got ", grad_v.scalar_type(), " and ", s_all.scalar_type());
   TORCH_CHECK(grad_v.device() == like.device() && s_all.device() == like.device(), op, ": grad_v and s_all must be on ",
               like.device());
 }

@@ -74,7 +74,9 @@ class PrimaryCaps(nn.Module):
 
 class CapsuleLinear(nn.Module):
     """DigitCaps: u [B, I, Din] -> v [B, J, D]; weight W [I, J, D, Din]. fused=True runs
-    torch.ops.capsnet.capsule_routing on CPU tensors, otherwise ops.reference_routing (same math)."""
+    torch.ops.capsnet.capsule_routing (CPU: float32 / float64; CUDA, when the library was built with it:
+    also float16 / bfloat16, so under autocast W is cast to the activations' dtype), otherwise
+    ops.reference_routing (same math)."""
 
     def __init__(self, in_caps, in_dim, out_caps, out_dim, iterations, grad_through_routing, fused=True):
         super().__init__()
@@ -85,8 +87,14 @@ class CapsuleLinear(nn.Module):
         I, _, _, Din = self.weight.shape
         if u.dim() != 3 or u.shape[1] != I or u.shape[2] != Din:
             raise ValueError(f"CapsuleLinear: input must be [B, {I}, {Din}], got {list(u.shape)}")
-        if self.fused and not u.is_cuda and not self.weight.is_cuda:
-            return ops.capsule_routing(u, self.weight, self.iterations, self.grad_through_routing)
+        if self.fused:
+            W = self.weight
+            if u.dtype != W.dtype:  # autocast: half-precision activations on CUDA, the weights' dtype on CPU
+                if u.is_cuda:
+                    W = W.to(u.dtype)
+                else:
+                    u = u.to(W.dtype)
+            return ops.capsule_routing(u, W, self.iterations, self.grad_through_routing)
         return ops.reference_routing(u, self.weight, self.iterations, self.grad_through_routing)
 
 
