@@ -22,6 +22,7 @@ cat > "$tmp/shim.h" <<'SHIM'
 __device__ float expf(float);
 __device__ double exp(double);
 __device__ float sqrtf(float);
+__device__ float fmaxf(float, float);
 __device__ double sqrt(double);
 __device__ void __syncthreads();
 __device__ void __syncwarp(unsigned mask = 0xffffffffu);
@@ -30,6 +31,7 @@ __device__ double __shfl_xor_sync(unsigned, double, int, int = 32);
 SHIM
 cat > "$tmp/instantiate.cu" <<'INST'
 #include "capsnet/ops/cuda/routing_kernels.cuh"
+#include "capsnet/ops/cuda/routing_fast_kernels.cuh"
 #include "capsnet/ops/cuda/em_kernels.cuh"
 using namespace capsnet::ops::cuda;
 template <typename T, typename A>
@@ -50,7 +52,14 @@ void instantiate() {
   (void)&em_distance_grad_votes_kernel<T, A>;
   (void)&em_distance_grad_moments_kernel<T, A>;
 }
+template <int kSlots>
+void instantiate_fast() {
+  (void)&fast_pass_kernel<float, kSlots>;
+  (void)&fast_child_kernel<float, kSlots>;
+}
 template void instantiate<float, float>();
+template void instantiate_fast<5>();
+template void instantiate_fast<8>();
 template void instantiate<double, double>();
 INST
 for side in --cuda-device-only --cuda-host-only; do

@@ -36,7 +36,7 @@ build_cmake() {  # $1 = C++ standard
   echo "=== cmake, C++$1 ===" >> "$OUT/build.log"
   local gen=()
   command -v ninja >/dev/null && gen=(-G Ninja)
-  cmake -S . -B "$dir" "${gen[@]}" -DCAPSNET_OPS_ONLY=ON -DCAPSNET_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
+  TORCH_CUDA_ARCH_LIST="${ARCH:0:1}.${ARCH:1}" cmake -S . -B "$dir" "${gen[@]}" -DCAPSNET_OPS_ONLY=ON -DCAPSNET_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CXX_STANDARD="$1" -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DCMAKE_CUDA_COMPILER="$nvcc" \
     -DCMAKE_CUDA_FLAGS="--ptxas-options=-v" -DCMAKE_PREFIX_PATH="$prefix" >> "$OUT/build.log" 2>&1 &&
     timeout 420 cmake --build "$dir" -j "$JOBS" >> "$OUT/build.log" 2>&1 &&
@@ -74,9 +74,25 @@ else
 fi
 
 if [ -n "$lib" ] && [[ " $STAGES " == *" tests "* ]]; then
-  timeout 200 $PY tests/ops/test_cuda_ops.py "$lib" > "$OUT/tests.log" 2>&1
-  say "tests: exit $? -- $(tail -1 "$OUT/tests.log")"
-  grep -E "^FAIL|Error:|assert" "$OUT/tests.log" | head -12 >> "$OUT/summary.txt"
+  timeout 200 $PY -X faulthandler tests/ops/test_cuda_ops.py "$lib" > "$OUT/tests.log" 2>&1
+  rc=$?
+  say "tests: exit $rc -- $(tail -1 "$OUT/tests.log")"
+  if [ $rc -ge 124 ]; then  # a crash or a hang: each test alone, then a native backtrace of the first that crashes
+    crashed=""
+    for t in $($PY tests/ops/test_cuda_ops.py --list); do
+      echo "=== $t alone" >> "$OUT/tests.log"
+      timeout 60 $PY -X faulthandler tests/ops/test_cuda_ops.py "$lib" -k "$t" >> "$OUT/tests.log" 2>&1
+      trc=$?
+      say "  $t: exit $trc"
+      [ $trc -ge 124 ] && [ -z "$crashed" ] && crashed=$t
+    done
+    if [ -n "$crashed" ] && command -v cuda-gdb >/dev/null; then
+      timeout 120 cuda-gdb -batch -ex run -ex bt --args $PY tests/ops/test_cuda_ops.py "$lib" -k "$crashed" \
+        > "$OUT/gdb.log" 2>&1
+      grep -m 25 -E "^#[0-9]+|signal" "$OUT/gdb.log" >> "$OUT/summary.txt"
+    fi
+  fi
+  grep -E "^FAIL|Error:|assert|Fatal Python|File " "$OUT/tests.log" | head -30 >> "$OUT/summary.txt"
 fi
 
 if [ -n "$lib" ] && [[ " $STAGES " == *" bench "* ]]; then

@@ -10,6 +10,7 @@ enqueues on the current stream without waiting for the GPU.
 
 Exits 77 (ctest: skipped) when torch has no CUDA device. Usage:
   python3 tests/ops/test_cuda_ops.py path/to/libcapsnet_ops.so [-k substring]
+  python3 tests/ops/test_cuda_ops.py --list
 CAPSNET_TEST_DEVICE=cpu runs the same comparisons CPU against CPU (a check of this script on machines
 without a GPU; the half-precision and stream tests are skipped then).
 """
@@ -96,6 +97,31 @@ def test_fused_matches_cpu_model_shapes():
                 got = fused_run(u, W, gv, 3, full, DEVICE, dtype)
                 assert got[0].dtype == dtype and got[1].dtype == dtype and got[2].dtype == dtype
                 check_close(f"{name} {dtype} full={full}", got, ref, TOLERANCE[dtype])
+
+
+def test_fused_general_kernels_match_cpu_at_the_model_shape():
+    # CAPSNET_CUDA_KERNEL=general: the general kernels where the fast ones would run (D = 16, Din = 8).
+    os.environ["CAPSNET_CUDA_KERNEL"] = "general"
+    try:
+        for dtype in (torch.float32, torch.bfloat16) if DEVICE == "cuda" else (torch.float32,):
+            u, W, gv = routing_inputs(4, 1152, 10, 16, 8, dtype, seed=21)
+            for full in (True, False):
+                ref = fused_run(u, W, gv, 3, full, "cpu", torch.float64)
+                got = fused_run(u, W, gv, 3, full, DEVICE, dtype)
+                check_close(f"general kernels {dtype} full={full}", got, ref, TOLERANCE[dtype])
+    finally:
+        del os.environ["CAPSNET_CUDA_KERNEL"]
+
+
+def test_fused_fast_kernels_with_16_parents_and_odd_j():
+    # The fast kernels' second instance (9..16 parents: 8 slots) and a half-filled last slot (J odd).
+    for J in (9, 13, 16):
+        for dtype in (torch.float32,) + ((torch.bfloat16,) if DEVICE == "cuda" else ()):
+            u, W, gv = routing_inputs(5, 300, J, 16, 8, dtype, seed=J)
+            for full in (True, False):
+                ref = fused_run(u, W, gv, 3, full, "cpu", torch.float64)
+                got = fused_run(u, W, gv, 3, full, DEVICE, dtype)
+                check_close(f"J={J} {dtype} full={full}", got, ref, TOLERANCE[dtype])
 
 
 def test_fused_matches_cpu_odd_shapes_and_iterations():
@@ -286,6 +312,9 @@ def test_forward_is_queued_on_the_current_stream_without_waiting():
 # ------------------------------------------------------------------------------------------------
 
 def main():
+    if "--list" in sys.argv:  # the test names, one per line (scripts/device_check.sh runs them one by one)
+        print("\n".join(n for n in sorted(globals()) if n.startswith("test_")))
+        return 0
     if len(sys.argv) < 2:
         print(__doc__)
         return 2

@@ -12,8 +12,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
 #include <tuple>
 
+#include "capsnet/ops/cuda/routing_fast_kernels.cuh"
 #include "capsnet/ops/cuda/routing_kernels.cuh"
 #include "capsnet/ops/routing.h"
 #include "capsnet/ops/routing_checks.h"
@@ -39,16 +43,17 @@ void allow_shared(Kernel kernel, size_t bytes) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
-// Launch shape of routing_pass_kernel: warps per block, examples per block, chunks of children.
+// Launch shape of a pass over the children: warps per block, examples per block, chunks of children.
 struct PassPlan {
   int64_t warps, eb, nchunk, chunk_size;
   size_t smem;
 };
 
-PassPlan plan_pass(const char* op, const RoutingDims& n, bool grad_pass, size_t acc_bytes) {
+// warp_scratch: shared values per warp besides its eb * JD sums (the general kernel's uh, c and gb).
+PassPlan plan_pass(const char* op, const RoutingDims& n, bool grad_pass, size_t acc_bytes, int64_t warp_scratch) {
   const size_t limit = shared_limit();
   auto bytes = [&](int64_t warps, int64_t eb) {
-    return acc_bytes * static_cast<size_t>(eb * n.JD * (grad_pass ? 2 : 1) + warps * (n.JD + 2 * n.J + eb * n.JD));
+    return acc_bytes * static_cast<size_t>(eb * n.JD * (grad_pass ? 2 : 1) + warps * (warp_scratch + eb * n.JD));
   };
   int64_t warps = kWarpsPerBlock, eb = acc_bytes == 8 ? 4 : 8;
   while (bytes(warps, eb) > limit && eb > 1) eb /= 2;
@@ -64,33 +69,56 @@ PassPlan plan_pass(const char* op, const RoutingDims& n, bool grad_pass, size_t 
   return {warps, eb, ceil_div(std::max<int64_t>(n.I, 1), chunk_size), chunk_size, bytes(warps, eb)};
 }
 
-template <typename T, typename A, typename Pred>
-void launch_pass(const PassPlan& p, const Pred& pred, const RoutingDims& n, int64_t t, bool grad_pass,
-                 const A* a_state, const A* gs_state, int64_t stride, A* parts) {
-  auto kernel = routing_pass_kernel<T, A, Pred>;
-  allow_shared(kernel, p.smem);
-  const dim3 grid(static_cast<unsigned>(p.nchunk), static_cast<unsigned>(ceil_div(n.B, p.eb)));
-  kernel<<<grid, static_cast<unsigned>(p.warps * kWarp), p.smem, at::cuda::getCurrentCUDAStream()>>>(
-      pred, n, t, grad_pass, a_state, gs_state, stride, p.chunk_size, p.eb, parts);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+dim3 pass_grid(const PassPlan& p, const RoutingDims& n) {
+  return dim3(static_cast<unsigned>(p.nchunk), static_cast<unsigned>(ceil_div(n.B, p.eb)));
 }
+
+// One pass through the general kernel (any sizes; u_hat recomputed by Pred or read).
+template <typename T, typename A, typename Pred>
+struct GeneralPass {
+  Pred pred;
+  int64_t warp_scratch(const RoutingDims& n) const { return n.JD + 2 * n.J; }
+  void launch(const PassPlan& p, const RoutingDims& n, int64_t t, bool grad_pass, const A* a_state,
+              const A* gs_state, int64_t stride, A* parts) const {
+    auto kernel = routing_pass_kernel<T, A, Pred>;
+    allow_shared(kernel, p.smem);
+    kernel<<<pass_grid(p, n), static_cast<unsigned>(p.warps * kWarp), p.smem, at::cuda::getCurrentCUDAStream()>>>(
+        pred, n, t, grad_pass, a_state, gs_state, stride, p.chunk_size, p.eb, parts);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
+// One pass through the fast kernel (routing_fast_kernels.cuh: D = 16, Din = 8, J <= 2 kSlots, float state).
+template <typename T, int kSlots>
+struct FastPass {
+  const T* u;
+  const T* w;
+  int64_t warp_scratch(const RoutingDims& /*n*/) const { return 0; }
+  void launch(const PassPlan& p, const RoutingDims& n, int64_t t, bool grad_pass, const float* a_state,
+              const float* gs_state, int64_t stride, float* parts) const {
+    auto kernel = fast_pass_kernel<T, kSlots>;
+    allow_shared(kernel, p.smem);
+    kernel<<<pass_grid(p, n), static_cast<unsigned>(p.warps * kWarp), p.smem, at::cuda::getCurrentCUDAStream()>>>(
+        u, w, n, t, grad_pass, a_state, gs_state, stride, p.chunk_size, p.eb, parts);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
 
 // Forward: r passes over the children, each followed by the per-example finish. v: [B, J, D] (T),
 // s_all: [B, r, J, D] (A).
-template <typename T, typename A, typename Pred>
-void run_forward(const char* op, const Pred& pred, const RoutingDims& n, at::Tensor& v, at::Tensor& s_all) {
+template <typename T, typename A, typename Pass>
+void run_forward(const char* op, const Pass& pass, const RoutingDims& n, at::Tensor& v, at::Tensor& s_all) {
   if (n.B == 0 || n.JD == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
   const auto opts = s_all.options();
-  const PassPlan p = plan_pass(op, n, false, sizeof(A));
+  const PassPlan p = plan_pass(op, n, false, sizeof(A), pass.warp_scratch(n));
   auto a_run = at::zeros({n.B, n.JD}, opts);
   auto parts = at::empty({n.B, p.nchunk, n.JD}, opts);
   const size_t finish_smem = sizeof(A) * static_cast<size_t>(n.JD + n.J);
   auto finish = forward_finish_kernel<T, A>;
   allow_shared(finish, finish_smem);
   for (int64_t t = 0; t < n.r; ++t) {
-    launch_pass<T, A>(p, pred, n, t, false, a_run.data_ptr<A>(), static_cast<const A*>(nullptr), n.JD,
-                      parts.data_ptr<A>());
+    pass.launch(p, n, t, false, a_run.data_ptr<A>(), static_cast<const A*>(nullptr), n.JD, parts.data_ptr<A>());
     finish<<<static_cast<unsigned>(n.B), kFinishThreads, finish_smem, stream>>>(
         n, t, p.nchunk, static_cast<A>(kSquashEps), parts.data_ptr<A>(), a_run.data_ptr<A>(), s_all.data_ptr<A>(),
         v.data_ptr<T>());
@@ -99,8 +127,8 @@ void run_forward(const char* op, const Pred& pred, const RoutingDims& n, at::Ten
 }
 
 // Backward phase 1: a_all (A^t) and gs_all (dL/ds^t) for every t used by phase 2.
-template <typename T, typename A, typename Pred>
-void run_backward_state(const char* op, const Pred& pred, const RoutingDims& n, bool full, const at::Tensor& grad_v,
+template <typename T, typename A, typename Pass>
+void run_backward_state(const char* op, const Pass& pass, const RoutingDims& n, bool full, const at::Tensor& grad_v,
                         const at::Tensor& s_all, at::Tensor& a_all, at::Tensor& gs_all) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   const size_t init_smem = sizeof(A) * static_cast<size_t>(3 * n.J);
@@ -109,13 +137,13 @@ void run_backward_state(const char* op, const Pred& pred, const RoutingDims& n, 
       gs_all.data_ptr<A>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (!full || n.r == 1) return;
-  const PassPlan p = plan_pass(op, n, true, sizeof(A));
+  const PassPlan p = plan_pass(op, n, true, sizeof(A), pass.warp_scratch(n));
   auto g_later = at::zeros({n.B, n.JD}, s_all.options());
   auto parts = at::empty({n.B, p.nchunk, n.JD}, s_all.options());
   const int64_t stride = n.r * n.JD;
   for (int64_t t = n.r - 1; t >= 1; --t) {
-    launch_pass<T, A>(p, pred, n, t, true, a_all.data_ptr<A>() + t * n.JD,
-                      static_cast<const A*>(gs_all.data_ptr<A>() + t * n.JD), stride, parts.data_ptr<A>());
+    pass.launch(p, n, t, true, a_all.data_ptr<A>() + t * n.JD,
+                static_cast<const A*>(gs_all.data_ptr<A>() + t * n.JD), stride, parts.data_ptr<A>());
     backward_step_kernel<A><<<static_cast<unsigned>(n.B), kFinishThreads, sizeof(A) * 2 * n.J, stream>>>(
         n, t, p.nchunk, static_cast<A>(kSquashEps), parts.data_ptr<A>(), g_later.data_ptr<A>(), s_all.data_ptr<A>(),
         gs_all.data_ptr<A>());
@@ -129,13 +157,12 @@ struct ChildPlan {
   size_t smem;
 };
 
-ChildPlan plan_children(const char* op, const RoutingDims& n, bool full, bool weights, size_t acc_bytes) {
+// warp_scratch: shared values per warp (the general kernel's uh, gu, c, gb and dW; the fast kernel's dW).
+ChildPlan plan_children(const char* op, const RoutingDims& n, bool full, bool weights, size_t acc_bytes,
+                        int64_t warp_scratch) {
   const size_t limit = shared_limit();
   const int64_t nt = full ? n.r : 1;
-  auto bytes = [&](int64_t warps) {
-    return acc_bytes *
-           static_cast<size_t>(2 * nt * n.JD + warps * (2 * n.JD + 2 * n.J + (weights ? n.Din * n.JD : 0)));
-  };
+  auto bytes = [&](int64_t warps) { return acc_bytes * static_cast<size_t>(2 * nt * n.JD + warps * warp_scratch); };
   int64_t warps = kWarpsPerBlock;
   while (bytes(warps) > limit && warps > 1) warps /= 2;
   TORCH_CHECK(bytes(warps) <= limit, op, ": the backward kernel needs ", bytes(warps),
@@ -151,15 +178,52 @@ ChildPlan plan_children(const char* op, const RoutingDims& n, bool full, bool we
   return {warps, groups, per_group, bytes(warps)};
 }
 
+dim3 child_grid(const ChildPlan& p, const RoutingDims& n) {
+  return dim3(static_cast<unsigned>(ceil_div(n.I, p.warps)), static_cast<unsigned>(p.groups));
+}
+
 template <typename T, typename A, typename Pred, bool kWeights>
 void launch_children(const ChildPlan& p, const Pred& pred, const RoutingDims& n, bool full, const at::Tensor& a_all,
                      const at::Tensor& gs_all, T* grad_u, A* dw_parts, T* grad_u_hat) {
   auto kernel = child_grad_kernel<T, A, Pred, kWeights>;
   allow_shared(kernel, p.smem);
-  const dim3 grid(static_cast<unsigned>(ceil_div(n.I, p.warps)), static_cast<unsigned>(p.groups));
-  kernel<<<grid, static_cast<unsigned>(p.warps * kWarp), p.smem, at::cuda::getCurrentCUDAStream()>>>(
+  kernel<<<child_grid(p, n), static_cast<unsigned>(p.warps * kWarp), p.smem, at::cuda::getCurrentCUDAStream()>>>(
       pred, n, full, p.per_group, a_all.data_ptr<A>(), gs_all.data_ptr<A>(), grad_u, dw_parts, grad_u_hat);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int kSlots>
+void launch_fast_children(const ChildPlan& p, const FastPass<T, kSlots>& pass, const RoutingDims& n, bool full,
+                          const at::Tensor& a_all, const at::Tensor& gs_all, T* grad_u, float* dw_parts) {
+  auto kernel = fast_child_kernel<T, kSlots>;
+  allow_shared(kernel, p.smem);
+  kernel<<<child_grid(p, n), static_cast<unsigned>(p.warps * kWarp), p.smem, at::cuda::getCurrentCUDAStream()>>>(
+      pass.u, pass.w, n, full, p.per_group, a_all.data_ptr<float>(), gs_all.data_ptr<float>(), grad_u, dw_parts);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Slots per lane of the fast kernels for these sizes, or 0 for the general kernels. The environment variable
+// CAPSNET_CUDA_KERNEL=general forces the general kernels (the tests hold both to the CPU op).
+int64_t fast_slots(const RoutingDims& n, at::ScalarType dtype) {
+  const char* force = std::getenv("CAPSNET_CUDA_KERNEL");
+  if (force != nullptr && std::string(force) == "general") return 0;
+  if (dtype == at::kDouble || n.D != kFastD || n.Din != kFastDin || n.J < 1 || n.J > 16) return 0;
+  return n.J <= 10 ? 5 : 8;
+}
+
+// Calls f(pass, slots) with the fused op's pass: FastPass<T, 5 or 8> where the fast kernels apply, else
+// GeneralPass with u_hat recomputed from u and W (slots = 0).
+template <typename T, typename A, typename F>
+void with_fused_pass(const RoutingDims& n, const at::Tensor& u, const at::Tensor& W, F&& f) {
+  const T* up = u.data_ptr<T>();
+  const T* wp = W.data_ptr<T>();
+  if constexpr (std::is_same_v<A, float>) {
+    const int64_t slots = fast_slots(n, u.scalar_type());
+    if (slots == 5) return f(FastPass<T, 5>{up, wp}, std::integral_constant<int, 5>{});
+    if (slots == 8) return f(FastPass<T, 8>{up, wp}, std::integral_constant<int, 8>{});
+  }
+  f(GeneralPass<T, A, WeightPredictor<T, A>>{WeightPredictor<T, A>{up, wp, n.I, n.JD, n.Din}},
+    std::integral_constant<int, 0>{});
 }
 
 // Grid limits: the examples run along the grid's y axis (at most 65535 blocks).
@@ -183,8 +247,9 @@ std::tuple<at::Tensor, at::Tensor> capsule_routing_forward_cuda(const at::Tensor
   auto s_all = at::empty({n.B, n.r, n.J, n.D}, u.options().dtype(detail::state_dtype(u.scalar_type())));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "capsule_routing_forward_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
-    const WeightPredictor<scalar_t, A> pred{u.data_ptr<scalar_t>(), W.data_ptr<scalar_t>(), n.I, n.JD, n.Din};
-    run_forward<scalar_t, A>(kFusedOp, pred, n, v, s_all);
+    with_fused_pass<scalar_t, A>(n, u, W, [&](const auto& pass, auto /*slots*/) {
+      run_forward<scalar_t, A>(kFusedOp, pass, n, v, s_all);
+    });
   });
   return {v, s_all};
 }
@@ -208,14 +273,21 @@ std::tuple<at::Tensor, at::Tensor> capsule_routing_backward_cuda(const at::Tenso
   at::Tensor grad_W;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "capsule_routing_backward_cuda", [&] {
     using A = at::opmath_type<scalar_t>;
-    const WeightPredictor<scalar_t, A> pred{u.data_ptr<scalar_t>(), W.data_ptr<scalar_t>(), n.I, n.JD, n.Din};
-    run_backward_state<scalar_t, A>(kFusedOp, pred, n, full, grad_v, s_all, a_all, gs_all);
-    const ChildPlan p = plan_children(kFusedOp, n, full, true, sizeof(A));
-    auto dw_parts = at::empty({p.groups, n.I, n.JD * n.Din}, s_all.options());  // A
-    launch_children<scalar_t, A, WeightPredictor<scalar_t, A>, true>(p, pred, n, full, a_all, gs_all,
-                                                                      grad_u.data_ptr<scalar_t>(),
-                                                                      dw_parts.data_ptr<A>(), nullptr);
-    grad_W = (p.groups == 1 ? dw_parts[0] : dw_parts.sum(0)).to(u.scalar_type()).view({n.I, n.J, n.D, n.Din});
+    with_fused_pass<scalar_t, A>(n, u, W, [&](const auto& pass, auto slots) {
+      constexpr int kSlots = decltype(slots)::value;
+      run_backward_state<scalar_t, A>(kFusedOp, pass, n, full, grad_v, s_all, a_all, gs_all);
+      const int64_t scratch = kSlots > 0 ? n.Din * n.JD : 2 * n.JD + 2 * n.J + n.Din * n.JD;
+      const ChildPlan p = plan_children(kFusedOp, n, full, true, sizeof(A), scratch);
+      auto dw_parts = at::empty({p.groups, n.I, n.JD * n.Din}, s_all.options());  // A
+      if constexpr (kSlots > 0) {
+        launch_fast_children<scalar_t, kSlots>(p, pass, n, full, a_all, gs_all, grad_u.data_ptr<scalar_t>(),
+                                               dw_parts.data_ptr<float>());
+      } else {
+        launch_children<scalar_t, A, WeightPredictor<scalar_t, A>, true>(
+            p, pass.pred, n, full, a_all, gs_all, grad_u.data_ptr<scalar_t>(), dw_parts.data_ptr<A>(), nullptr);
+      }
+      grad_W = (p.groups == 1 ? dw_parts[0] : dw_parts.sum(0)).to(u.scalar_type()).view({n.I, n.J, n.D, n.Din});
+    });
   });
   return {grad_u, grad_W};
 }
@@ -234,8 +306,9 @@ std::tuple<at::Tensor, at::Tensor> routing_from_predictions_forward_cuda(const a
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u_hat.scalar_type(), "routing_from_predictions_forward_cuda",
                                   [&] {
                                     using A = at::opmath_type<scalar_t>;
-                                    const StoredPredictor<scalar_t, A> pred{u_hat.data_ptr<scalar_t>(), n.I, n.JD};
-                                    run_forward<scalar_t, A>(kPredOp, pred, n, v, s_all);
+                                    const GeneralPass<scalar_t, A, StoredPredictor<scalar_t, A>> pass{
+                                        StoredPredictor<scalar_t, A>{u_hat.data_ptr<scalar_t>(), n.I, n.JD}};
+                                    run_forward<scalar_t, A>(kPredOp, pass, n, v, s_all);
                                   });
   return {v, s_all};
 }
@@ -258,12 +331,14 @@ at::Tensor routing_from_predictions_backward_cuda(const at::Tensor& grad_v_in, c
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u_hat.scalar_type(),
                                   "routing_from_predictions_backward_cuda", [&] {
                                     using A = at::opmath_type<scalar_t>;
-                                    const StoredPredictor<scalar_t, A> pred{u_hat.data_ptr<scalar_t>(), n.I, n.JD};
-                                    run_backward_state<scalar_t, A>(kPredOp, pred, n, full, grad_v, s_all, a_all,
+                                    const GeneralPass<scalar_t, A, StoredPredictor<scalar_t, A>> pass{
+                                        StoredPredictor<scalar_t, A>{u_hat.data_ptr<scalar_t>(), n.I, n.JD}};
+                                    run_backward_state<scalar_t, A>(kPredOp, pass, n, full, grad_v, s_all, a_all,
                                                                     gs_all);
-                                    const ChildPlan p = plan_children(kPredOp, n, full, false, sizeof(A));
+                                    const ChildPlan p =
+                                        plan_children(kPredOp, n, full, false, sizeof(A), 2 * n.JD + 2 * n.J);
                                     launch_children<scalar_t, A, StoredPredictor<scalar_t, A>, false>(
-                                        p, pred, n, full, a_all, gs_all, nullptr, nullptr,
+                                        p, pass.pred, n, full, a_all, gs_all, nullptr, nullptr,
                                         grad_u_hat.data_ptr<scalar_t>());
                                   });
   return grad_u_hat;
