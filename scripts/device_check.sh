@@ -29,8 +29,13 @@ say() { echo "[$(($(date +%s) - start)) s] $*" | tee -a "$OUT/summary.txt"; }
 say "env: $(grep -m1 '^torch' "$OUT/env.txt")"
 
 lib=""
-build_cmake() {  # $1 = C++ standard
-  local dir=build-cuda$1 prefix nvcc
+# The C++ runtime the Python process already has (the system's libstdc++.so.6). A compiler whose own
+# libstdc++ is present only as a static archive would otherwise copy parts of it (iostreams, locales) into
+# the library, and formatting a number into a c10 error message then crashes (seen on the H100 image).
+sysstd=$(ldconfig -p 2>/dev/null | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
+build_cmake() {  # $1 = C++ standard, $2 = "link" to link the system libstdc++.so.6 by path
+  local dir=build-cuda$1$2 prefix nvcc link=()
+  [ "${2:-}" = link ] && [ -n "$sysstd" ] && link=(-DCMAKE_SHARED_LINKER_FLAGS="$sysstd")
   prefix=$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)') || return 1
   nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
   echo "=== cmake, C++$1 ===" >> "$OUT/build.log"
@@ -38,7 +43,7 @@ build_cmake() {  # $1 = C++ standard
   command -v ninja >/dev/null && gen=(-G Ninja)
   TORCH_CUDA_ARCH_LIST="${ARCH:0:1}.${ARCH:1}" cmake -S . -B "$dir" "${gen[@]}" -DCAPSNET_OPS_ONLY=ON -DCAPSNET_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CXX_STANDARD="$1" -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DCMAKE_CUDA_COMPILER="$nvcc" \
-    -DCMAKE_CUDA_FLAGS="--ptxas-options=-v" -DCMAKE_PREFIX_PATH="$prefix" >> "$OUT/build.log" 2>&1 &&
+    -DCMAKE_CUDA_FLAGS="--ptxas-options=-v" -DCMAKE_PREFIX_PATH="$prefix" "${link[@]}" >> "$OUT/build.log" 2>&1 &&
     timeout 420 cmake --build "$dir" -j "$JOBS" >> "$OUT/build.log" 2>&1 &&
     lib=$dir/capsnet/ops/libcapsnet_ops.so
 }
@@ -59,10 +64,11 @@ PYEOF
 }
 
 if [[ " $STAGES " == *" build "* ]]; then
-  build_cmake 17 || { say "build: CMake with C++17 failed (tail of build.log below), trying C++20"; tail -5 "$OUT/build.log" | tee -a "$OUT/summary.txt"; build_cmake 20; } ||
+  build_cmake 17 link || { say "build: CMake, C++17, system libstdc++ failed; trying without"; tail -5 "$OUT/build.log" | tee -a "$OUT/summary.txt"; build_cmake 17; } ||
+    { say "build: CMake with C++17 failed (tail of build.log below), trying C++20"; tail -5 "$OUT/build.log" | tee -a "$OUT/summary.txt"; build_cmake 20; } ||
     { say "build: CMake failed, trying torch.utils.cpp_extension"; build_extension; }
   if [ -n "$lib" ] && [ -f "$lib" ]; then
-    say "build: $lib"
+    say "build: $lib; libstdc++: ${sysstd:-not found}; $(ldd "$lib" | grep -c 'libstdc++') dynamic, $(nm -DC --defined-only "$lib" | grep -c 'std::basic_ostream') ostream symbols defined inside (0 expected)"
     grep -E "ptxas info *: (Used|Compiling entry)" "$OUT/build.log" | grep -A1 -E "routing_pass|child_grad" |
       grep Used | sort | uniq -c | head -8 >> "$OUT/summary.txt"
   else

@@ -169,9 +169,10 @@ ChildPlan plan_children(const char* op, const RoutingDims& n, bool full, bool we
               " bytes of shared memory per block for J * D = ", n.JD, ", Din = ", n.Din, " and ", n.r,
               " iterations; the device has ", limit);
   const int64_t blocks_x = ceil_div(n.I, warps);
-  // With weights every group writes its own dW partial sums: about four blocks per multiprocessor.
-  // Without, one example per block (up to the grid's limit).
-  int64_t groups = weights ? std::clamp<int64_t>(ceil_div(4 * sm_count(), blocks_x), 1, n.B)
+  // With weights every group writes its own dW partial sums: at least four blocks per multiprocessor and
+  // at most 32 examples per block (long blocks leave a tail of idle multiprocessors). Without, one example
+  // per block (up to the grid's limit).
+  int64_t groups = weights ? std::clamp<int64_t>(std::max(ceil_div(4 * sm_count(), blocks_x), ceil_div(n.B, 32)), 1, n.B)
                            : std::min<int64_t>(n.B, 65535);
   const int64_t per_group = ceil_div(n.B, groups);
   groups = ceil_div(n.B, per_group);
