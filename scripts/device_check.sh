@@ -71,6 +71,15 @@ if [[ " $STAGES " == *" build "* ]]; then
     say "build: $lib; libstdc++: ${sysstd:-not found}; $(ldd "$lib" | grep -c 'libstdc++') dynamic, $(nm -DC --defined-only "$lib" | grep -c 'std::basic_ostream') ostream symbols defined inside (0 expected)"
     grep -E "ptxas info *: (Used|Compiling entry)" "$OUT/build.log" | grep -A1 -E "routing_pass|child_grad" |
       grep Used | sort | uniq -c | head -8 >> "$OUT/summary.txt"
+    if [ "$(nm -DC --defined-only "$lib" | grep -c 'std::basic_ostream')" != 0 ] && command -v ninja >/dev/null; then
+      # Which input of the link brings the C++ runtime's code in (open question, docs/gpu.md).
+      dir=$(dirname "$(dirname "$(dirname "$lib")")")
+      cmd=$(ninja -C "$dir" -t commands capsnet_ops | tail -1)
+      { echo "=== link command"; echo "$cmd"; echo "=== trace of std::ostream::_M_insert<long>";
+        (cd "$dir" && rm -f capsnet/ops/libcapsnet_ops.so && eval "$cmd -Wl,--trace-symbol=_ZNSo9_M_insertIlEERSoT_ -Wl,--verbose" 2>&1 |
+          grep -E "_M_insert|libstdc|attempt to open .*stdc" | head -20); } > "$OUT/link.txt" 2>&1
+      grep -E "_M_insert" "$OUT/link.txt" | head -5 >> "$OUT/summary.txt"
+    fi
   else
     say "build: FAILED (errors from build.log:)"
     grep -m 12 -E "error|Error" "$OUT/build.log" | tee -a "$OUT/summary.txt"
