@@ -344,3 +344,36 @@ TEST_F(MnistFilesTest, RealTestSplitIfFetched) {
   EXPECT_TRUE(torch::equal(torch::bincount(set.labels).gt(800), torch::ones({10}, torch::kBool)));
 }
 #endif
+
+TEST_F(IdxTest, MaxRowsReadsOnlyTheFirstRowsOfPlainAndGzFiles) {
+  auto t = random_u8({9, 5, 4}, 11);
+  write_idx(path("p"), t);
+  write_idx(path("p.gz"), t);
+  for (const auto* name : {"p", "p.gz"}) {
+    for (int64_t rows : {1, 4, 8}) {
+      const auto r = read_idx(path(name), rows);
+      EXPECT_EQ(r.sizes(), (std::vector<int64_t>{rows, 5, 4})) << name;
+      EXPECT_TRUE(torch::equal(r, t.narrow(0, 0, rows))) << name << " rows " << rows;
+    }
+    EXPECT_TRUE(torch::equal(read_idx(path(name), 9), t)) << name;   // exactly all
+    EXPECT_TRUE(torch::equal(read_idx(path(name), 50), t)) << name;  // more than there are
+    EXPECT_TRUE(torch::equal(read_idx(path(name), 0), t)) << name;   // 0 = all
+  }
+  // A plain file is still checked against its size; a .gz only up to the rows read: a stream cut after
+  // row 3 gives rows 0..2, and fails for more.
+  Bytes plain = read_bytes(path("p"));
+  plain.push_back(0);
+  write_bytes(path("long"), plain);
+  expect_read_error(path("long"), "trailing");
+  EXPECT_NE(idx_error([&] { read_idx(path("long"), 2); }).find("trailing"), std::string::npos);
+  const Bytes cut(plain.begin(), plain.begin() + 4 + 12 + 3 * 20);
+  {
+    gzFile gz = gzopen(path("cut.gz").c_str(), "wb");
+    ASSERT_NE(gz, nullptr);
+    ASSERT_EQ(gzwrite(gz, cut.data(), static_cast<unsigned>(cut.size())), static_cast<int>(cut.size()));
+    gzclose(gz);
+  }
+  EXPECT_TRUE(torch::equal(read_idx(path("cut.gz"), 3), t.narrow(0, 0, 3)));
+  EXPECT_NE(idx_error([&] { read_idx(path("cut.gz"), 4); }).find("truncated"), std::string::npos);
+  expect_read_error(path("cut.gz"), "truncated");
+}

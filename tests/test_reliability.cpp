@@ -786,6 +786,78 @@ TEST_F(ReliabilityCli, LibTorchErrorsAreOneLineAndTheTraceIsBehindVerbose) {
   EXPECT_LE(lines, 2) << r.output;  // a blank separator line and the message
 }
 
+TEST_F(ReliabilityCli, FifosAndDevicesGivenAsInputsAreRefusedNotWaitedOn) {
+  ASSERT_EQ(first_.status, 0) << first_.output;
+  const auto ckpt = run_ + "/checkpoint.pt";
+  const auto fifo = *dir_ / "pipe", fifo_png = *dir_ / "pipe.png";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  ASSERT_EQ(::mkfifo(fifo_png.c_str(), 0600), 0);
+  struct Case {
+    std::string args, phrase;
+  };
+  std::vector<Case> cases = {
+      {"eval --checkpoint " + fifo + " --data " + data_, "not a regular file"},
+      {"predict --checkpoint " + fifo + " " + data_ + "/t10k-images-idx3-ubyte", "not a regular file"},
+      {"predict --checkpoint " + ckpt + " " + fifo_png, "not a regular file"},
+      {"export --checkpoint " + ckpt + " --card " + fifo + " --out " + (*dir_ / "w.pt"), "not a regular file"},
+      {"train --data " + data_ + " --out " + (*dir_ / "r") + " --steps 1 --resume " + fifo, "not a regular file"},
+  };
+  if (fs::exists("/dev/zero")) cases.push_back({"eval --checkpoint /dev/zero --data " + data_, "not a regular file"});
+  for (const auto& c : cases) {
+    // `timeout`: before the check, open() on a FIFO waited for a writer forever.
+    const auto r = run_command("timeout 120 " + kCli + " " + c.args);
+    EXPECT_NE(r.status, 0) << c.args << "\n" << r.output;
+    EXPECT_NE(r.status, 124) << "timed out: " << c.args;
+    expect_contains(r.output, c.phrase);
+  }
+}
+
+TEST_F(ReliabilityCli, OutputsThatAreNotRegularFilesAreNeverReplaced) {
+  ASSERT_EQ(first_.status, 0) << first_.output;
+  const auto ckpt = run_ + "/checkpoint.pt";
+  // A FIFO as the weight file (written to a temporary and renamed over) or as a PNG (written in place)
+  // is refused, and stays a FIFO; nothing waits on it.
+  const auto fifo = *dir_ / "out-fifo", fifo_png = *dir_ / "out-fifo.png";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  ASSERT_EQ(::mkfifo(fifo_png.c_str(), 0600), 0);
+  auto r = run_command("timeout 120 " + kCli + " export --checkpoint " + ckpt + " --out " + fifo);
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.status, 124) << "timed out";
+  expect_contains(r.output, "not a regular file");
+  EXPECT_TRUE(fs::is_fifo(fifo));
+  r = run_command("timeout 120 " + kCli + " reconstruct --checkpoint " + ckpt + " --data " + data_ +
+                  " --correct 1 --wrong 0 --out " + fifo_png);
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.status, 124) << "timed out";
+  expect_contains(r.output, "FIFO");
+  EXPECT_TRUE(fs::is_fifo(fifo_png));
+  // A character device is written straight (never renamed over or unlinked): /dev/null stays one.
+  if (fs::is_character_file("/dev/null")) {
+    r = run_command(kCli + " reconstruct --checkpoint " + ckpt + " --data " + data_ +
+                    " --correct 1 --wrong 0 --out /dev/null");
+    EXPECT_EQ(r.status, 0) << r.output;
+    EXPECT_TRUE(fs::is_character_file("/dev/null"));
+  }
+}
+
+TEST_F(ReliabilityCli, PredictClassifiesEveryReadableInputAndListsTheOthers) {
+  ASSERT_EQ(first_.status, 0) << first_.output;
+  const auto ckpt = run_ + "/checkpoint.pt";
+  const auto images = data_ + "/t10k-images-idx3-ubyte";
+  const auto bad_png = *dir_ / "broken.png", bad_idx = *dir_ / "broken-idx";
+  write_bytes(bad_png, "not a png at all");
+  write_bytes(bad_idx, "not an idx file");
+  const auto r = run_command(kCli + " predict --checkpoint " + ckpt + " --limit 2 --format csv " + images + " " +
+                             bad_png + " " + bad_idx + " " + images);
+  EXPECT_EQ(r.status, 1) << r.output;
+  expect_contains(r.output, "skipped " + bad_png);
+  expect_contains(r.output, "skipped " + bad_idx);
+  expect_contains(r.output, "2 inputs could not be read");
+  int rows = 0;  // 2 images from each readable IDX file, in input order around the bad ones
+  for (size_t at = 0; (at = r.output.find(images + "[", at)) != std::string::npos; ++at) ++rows;
+  EXPECT_EQ(rows, 4) << r.output;
+}
+
 }  // namespace
 }  // namespace capsnet
 

@@ -232,18 +232,38 @@ Subcommand add_predict(CLI::App& root) {
               out.flush();
               check_written();
             };
+            // An input that cannot be read is reported on stderr and skipped; the others are all
+            // classified, and the exit status says that some were not (1).
+            int64_t unreadable = 0;
+            auto skip = [&](const std::string& why) {
+              std::cerr << "predict: skipped " << why << "\n";
+              ++unreadable;
+            };
             std::vector<std::string> pending;  // image files waiting for a full batch
             auto flush_files = [&] {
               if (pending.empty()) return;
-              auto images = data::load_image_files(pending, channels, side, fit);  // [n, C, S, S]
+              std::vector<std::string> errors;
+              auto images = data::load_image_files(pending, channels, side, fit, &errors);  // [n, C, S, S]
+              std::vector<int64_t> good;
+              std::vector<std::string> names;
+              for (size_t i = 0; i < pending.size(); ++i) {
+                if (errors[i].empty()) {
+                  good.push_back(static_cast<int64_t>(i));
+                  names.push_back(pending[i]);
+                } else {
+                  skip(errors[i]);
+                }
+              }
+              pending.clear();
+              if (good.empty()) return;
+              if (good.size() < errors.size()) images = images.index_select(0, torch::tensor(good));
               if (channels == 1 && (f->invert == "yes" || (f->invert == "auto" && digit_model))) {
                 for (int64_t i = 0; i < images.size(0); ++i) {
                   const bool light = images[i].to(torch::kFloat).mean().item<double>() > 127.5;
                   if (f->invert == "yes" || light) images[i] = 255 - images[i];
                 }
               }
-              run_batch(images, pending);
-              pending.clear();
+              run_batch(images, names);
             };
             for (const auto& s : sources) {
               if (!s.idx) {
@@ -252,14 +272,21 @@ Subcommand add_predict(CLI::App& root) {
                 continue;
               }
               flush_files();  // keep the output in input order
-              auto images = data::read_idx(s.path);
+              torch::Tensor images;
+              try {
+                images = data::read_idx(s.path, f->limit);  // only the rows used (--limit)
+              } catch (const data::IdxError& e) {
+                skip(e.what());
+                continue;
+              }
               if (images.dim() == 2) images = images.unsqueeze(0);
               if (images.dim() == 3) images = images.unsqueeze(1);
-              if (images.dim() != 4 || images.size(1) != channels || images.size(2) != side || images.size(3) != side)
-                throw std::invalid_argument(fmt::format("{}: expected IDX images [N, {}, {}]{}, got {}", s.path, side,
-                                                        side, channels == 1 ? "" : fmt::format(" with {} channels", channels),
-                                                        fmt::join(images.sizes(), "x")));
-              if (f->limit > 0) images = images.narrow(0, 0, std::min(f->limit, images.size(0)));
+              if (images.dim() != 4 || images.size(1) != channels || images.size(2) != side || images.size(3) != side) {
+                skip(fmt::format("{}: expected IDX images [N, {}, {}]{}, got {}", s.path, side, side,
+                                 channels == 1 ? "" : fmt::format(" with {} channels", channels),
+                                 fmt::join(images.sizes(), "x")));
+                continue;
+              }
               // Batched: activations of one batch at a time (the 60k-image file in ~0.5 GB, not ~90 GB).
               const int64_t n = images.size(0);
               for (int64_t start = 0; start < n; start += f->batch_size) {
@@ -276,6 +303,12 @@ Subcommand add_predict(CLI::App& root) {
             check_written();
             if (!f->output.empty())
               std::cerr << fmt::format("wrote {} predictions to {} ({})\n", written, f->output, f->format);
+            if (unreadable > 0) {
+              std::cerr << fmt::format("predict: {} input{} could not be read (listed above); the other predictions "
+                                       "were written\n",
+                                       unreadable, unreadable == 1 ? "" : "s");
+              return 1;
+            }
             return 0;
           }};
 }

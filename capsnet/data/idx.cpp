@@ -1,5 +1,7 @@
 #include "capsnet/data/idx.h"
 
+#include "capsnet/data/files.h"
+
 #include <fmt/format.h>
 #include <zlib.h>
 
@@ -99,7 +101,15 @@ Header parse_header_dims_only(const std::string& path, const uint8_t* bytes, siz
   return parse_header(path, bytes, available, available);  // fails with the precise reason
 }
 
-torch::Tensor read_plain(const std::string& path) {
+// The first `max_rows` rows of a header's data (all when 0 or more than there are): dims and bytes.
+Header first_rows(Header h, int64_t max_rows) {
+  if (max_rows <= 0 || max_rows >= h.dims[0]) return h;
+  h.data_bytes = h.data_bytes / static_cast<uint64_t>(h.dims[0]) * static_cast<uint64_t>(max_rows);
+  h.dims[0] = max_rows;
+  return h;
+}
+
+torch::Tensor read_plain(const std::string& path, int64_t max_rows) {
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
   if (!f) fail(path, std::string("cannot open: ") + std::strerror(errno));
   std::error_code ec;
@@ -108,7 +118,7 @@ torch::Tensor read_plain(const std::string& path) {
 
   uint8_t head[kMaxHeader];
   const size_t got = std::fread(head, 1, sizeof(head), f.get());
-  const Header h = parse_header(path, head, got, total);
+  const Header h = first_rows(parse_header(path, head, got, total), max_rows);
 
   auto out = torch::empty(h.dims, torch::kUInt8);
   if (std::fseek(f.get(), static_cast<long>(h.size), SEEK_SET) != 0 ||
@@ -117,7 +127,7 @@ torch::Tensor read_plain(const std::string& path) {
   return out;
 }
 
-torch::Tensor read_gz(const std::string& path) {
+torch::Tensor read_gz(const std::string& path, int64_t max_rows) {
   std::unique_ptr<gzFile_s, int (*)(gzFile)> f(gzopen(path.c_str(), "rb"), &gzclose_r);
   if (!f) fail(path, std::string("cannot open: ") + std::strerror(errno ? errno : ENOMEM));
   auto read_some = [&](uint8_t* into, unsigned n) {
@@ -137,6 +147,7 @@ torch::Tensor read_gz(const std::string& path) {
     if (got == 0) break;
     have += got;
   }
+  Header declared;
   const uint64_t declared_total = [&] {
     Header probe;
     try {
@@ -152,11 +163,27 @@ torch::Tensor read_gz(const std::string& path) {
       if (err != Z_OK) fail(path, std::string("corrupt gzip data: ") + msg);
       throw;
     }
-    if (probe.data_bytes > kMaxGzBytes)
+    declared = probe;
+    if (first_rows(probe, max_rows).data_bytes > kMaxGzBytes)
       fail(path, fmt::format("declares {} bytes of data, more than the {} this reader accepts from a .gz",
                              probe.data_bytes, kMaxGzBytes));
     return probe.size + probe.data_bytes;
   }();
+  if (const Header part = first_rows(declared, max_rows); part.data_bytes < declared.data_bytes) {
+    // Only the first rows: inflate exactly them (the rest of the stream is not read, so not checked).
+    std::vector<uint8_t> bytes(head, head + have);
+    bytes.resize(part.size + part.data_bytes);
+    size_t filled = std::min(have, bytes.size());
+    while (filled < bytes.size()) {
+      const size_t got = read_some(bytes.data() + filled,
+                                   static_cast<unsigned>(std::min<size_t>(bytes.size() - filled, size_t{1} << 30)));
+      if (got == 0) fail(path, fmt::format("truncated: the stream ends within the first {} rows", part.dims[0]));
+      filled += got;
+    }
+    auto out = torch::empty(part.dims, torch::kUInt8);
+    std::memcpy(out.data_ptr<uint8_t>(), bytes.data() + part.size, part.data_bytes);
+    return out;
+  }
   std::vector<uint8_t> bytes(head, head + have);
   bytes.resize(declared_total + 1);  // one spare byte detects trailing data
   size_t filled = have;
@@ -187,16 +214,11 @@ torch::Tensor read_gz(const std::string& path) {
 
 }  // namespace
 
-torch::Tensor read_idx(const std::string& path) {
-  std::error_code ec;
-  // fopen/gzopen succeed on a directory on Linux; the failure would only surface as a read error.
-  const auto st = std::filesystem::status(path, ec);  // follows symlinks
-  if (ec && ec != std::errc::no_such_file_or_directory) fail(path, "cannot open: " + ec.message());  // e.g. a symlink loop
-  if (std::filesystem::is_directory(st)) fail(path, "cannot open: is a directory");
-  // A FIFO, socket or device would block or never end: only regular files are read.
-  if (std::filesystem::exists(st) && !std::filesystem::is_regular_file(st))
-    fail(path, "cannot open: not a regular file (a FIFO, socket or device)");
-  return is_gz(path) ? read_gz(path) : read_plain(path);
+torch::Tensor read_idx(const std::string& path, int64_t max_rows) {
+  // fopen/gzopen succeed on a directory on Linux (the failure would only surface as a read error); a
+  // FIFO, socket or device would block or never end.
+  if (const auto why = unreadable_reason(path); !why.empty()) fail(path, "cannot open: " + why);
+  return is_gz(path) ? read_gz(path, max_rows) : read_plain(path, max_rows);
 }
 
 void write_idx(const std::string& path, const torch::Tensor& data) {

@@ -1,5 +1,7 @@
 #include "capsnet/data/image_file.h"
 
+#include "capsnet/data/files.h"
+
 #include <fmt/format.h>
 #include <jpeglib.h>
 #include <png.h>
@@ -108,6 +110,7 @@ torch::Tensor read_jpeg(const std::string& path) {
 }  // namespace
 
 torch::Tensor read_image(const std::string& path) {
+  if (const auto why = unreadable_reason(path); !why.empty()) throw ImageError(fmt::format("{}: cannot open: {}", path, why));
   unsigned char magic[8] = {0};
   {
     std::ifstream in(path, std::ios::binary);
@@ -131,6 +134,7 @@ void write_image_png(const std::string& path, const torch::Tensor& image) {
   if (image.dim() != 3 || (image.size(0) != 1 && image.size(0) != 3) || image.scalar_type() != torch::kUInt8)
     throw ImageError(fmt::format("{}: write_image_png needs uint8 [1 or 3, H, W], got {} {}", path,
                                  c10::toString(image.scalar_type()), c10::str(image.sizes())));
+  if (const auto why = unwritable_reason(path); !why.empty()) throw ImageError(fmt::format("{}: cannot write: {}", path, why));
   auto hwc = image.permute({1, 2, 0}).contiguous();
   const auto parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent);
@@ -140,8 +144,18 @@ void write_image_png(const std::string& path, const torch::Tensor& image) {
   png.width = static_cast<png_uint_32>(image.size(2));
   png.height = static_cast<png_uint_32>(image.size(1));
   png.format = image.size(0) == 3 ? PNG_FORMAT_RGB : PNG_FORMAT_GRAY;
-  if (!png_image_write_to_file(&png, path.c_str(), 0, hwc.data_ptr<uint8_t>(), 0, nullptr))
-    throw ImageError(fmt::format("{}: cannot write PNG: {}", path, png.message));
+  // Through our own FILE: libpng's png_image_write_to_file removes the path after a failed write, which
+  // deleted device nodes such as /dev/full. Only a regular file we wrote part of is removed here.
+  std::unique_ptr<std::FILE, FileCloser> file(std::fopen(path.c_str(), "wb"));
+  if (!file) throw ImageError(fmt::format("{}: cannot write: {}", path, std::strerror(errno)));
+  const bool written = png_image_write_to_stdio(&png, file.get(), 0, hwc.data_ptr<uint8_t>(), 0, nullptr) != 0;
+  const bool flushed = std::fflush(file.get()) == 0 && !std::ferror(file.get());
+  const int saved_errno = errno;
+  file.reset();
+  if (!written || !flushed) {
+    if (!data::exists_but_not_regular(path)) std::filesystem::remove(path);
+    throw ImageError(fmt::format("{}: cannot write PNG: {}", path, written ? std::strerror(saved_errno) : png.message));
+  }
 }
 
 void write_image_jpeg(const std::string& path, const torch::Tensor& image, int quality) {
@@ -149,6 +163,7 @@ void write_image_jpeg(const std::string& path, const torch::Tensor& image, int q
     throw ImageError(fmt::format("{}: write_image_jpeg needs uint8 [1 or 3, H, W], got {} {}", path,
                                  c10::toString(image.scalar_type()), c10::str(image.sizes())));
   if (quality < 1 || quality > 100) throw ImageError(fmt::format("{}: JPEG quality must be in [1, 100], got {}", path, quality));
+  if (const auto why = unwritable_reason(path); !why.empty()) throw ImageError(fmt::format("{}: cannot write: {}", path, why));
   auto hwc = image.permute({1, 2, 0}).contiguous();
   const auto parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent);

@@ -264,10 +264,11 @@ int64_t write_image_folder(const ImageSet& set, const std::string& dir) {
   return n;
 }
 
-torch::Tensor load_image_files(const std::vector<std::string>& paths, int64_t channels, int64_t side, Fit fit) {
+torch::Tensor load_image_files(const std::vector<std::string>& paths, int64_t channels, int64_t side, Fit fit,
+                               std::vector<std::string>* errors_out) {
   TORCH_CHECK(channels == 1 || channels == 3, "load_image_files: channels must be 1 or 3, got ", channels);
   const int64_t n = static_cast<int64_t>(paths.size());
-  auto out = torch::empty({n, channels, side, side}, torch::kUInt8);
+  auto out = torch::zeros({n, channels, side, side}, torch::kUInt8);
   std::vector<std::string> errors(n);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -278,6 +279,10 @@ torch::Tensor load_image_files(const std::vector<std::string>& paths, int64_t ch
       }
     }
   });
+  if (errors_out != nullptr) {
+    *errors_out = std::move(errors);
+    return out;
+  }
   for (const auto& e : errors)
     if (!e.empty()) throw ImageError(e);
   return out;

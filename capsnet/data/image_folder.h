@@ -46,7 +46,10 @@ ImageFolder load_image_folder(const std::string& dir, const ImageFolderOptions& 
 
 /// Decodes `paths` in parallel and fits each to [channels, side, side] (convert_channels, fit_image):
 /// uint8 [N, channels, side, side]. For prediction, where one file per class is not required.
-torch::Tensor load_image_files(const std::vector<std::string>& paths, int64_t channels, int64_t side, Fit fit);
+/// Throws the first file's ImageError, or with `errors` given fills (*errors)[i] with file i's error
+/// ("" when it loaded; its row is then zeros) and throws nothing.
+torch::Tensor load_image_files(const std::vector<std::string>& paths, int64_t channels, int64_t side, Fit fit,
+                               std::vector<std::string>* errors = nullptr);
 
 /// Writes `set` as DIR/<class>/<index>.png (index zero-padded to sort in order; images [N, H, W] or
 /// [N, C, H, W] uint8, C = 1 or 3); class names from set.class_names, else "0".."K-1". Creates DIR.

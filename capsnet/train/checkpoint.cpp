@@ -1,6 +1,7 @@
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/json_input.h"
 
+#include "capsnet/data/files.h"
 #include "capsnet/data/mnist.h"
 
 #include <fcntl.h>
@@ -35,6 +36,8 @@ void fsync_path(const std::string& path) {
 
 torch::serialize::InputArchive open_archive(const std::string& path) {
   if (!std::filesystem::exists(path)) throw CheckpointError(fmt::format("checkpoint {}: no such file", path));
+  if (const auto why = data::unreadable_reason(path); !why.empty())
+    throw CheckpointError(fmt::format("checkpoint {}: cannot open: {}", path, why));
   torch::serialize::InputArchive archive;
   try {
     archive.load_from(path);
@@ -186,6 +189,11 @@ void remove_orphaned_temps(const std::filesystem::path& path) {
 }  // namespace
 
 void write_file_atomically(const std::string& path, const std::function<void(const ByteSink&)>& produce) {
+  // Renaming over a device node or FIFO would replace it with a regular file.
+  if (data::exists_but_not_regular(path))
+    throw std::runtime_error(fmt::format("{}: not a regular file (a directory, device, FIFO or socket): refusing to "
+                                         "replace it",
+                                         path));
   const auto parent = std::filesystem::path(path).parent_path();
   std::error_code ec;
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);

@@ -12,6 +12,7 @@
 #include <iterator>
 #include <set>
 
+#include "capsnet/data/files.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/parse_config.h"
 
@@ -280,6 +281,8 @@ ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::s
 }
 
 ExportedWeights read_weights(const std::string& path) {
+  if (const auto why = data::unreadable_reason(path); !why.empty())
+    throw NotWeightsError(fmt::format("weights {}: cannot open: {}", path, why));
   std::ifstream f(path, std::ios::binary);
   if (!f) throw NotWeightsError(fmt::format("weights {}: no such file or not readable", path));
   std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());

@@ -1,5 +1,7 @@
 #include "capsnet/train/json_input.h"
 
+#include "capsnet/data/files.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -44,6 +46,8 @@ nlohmann::json parse_json(std::string_view text, const std::string& what) {
 }
 
 nlohmann::json read_json_file(const std::string& path) {
+  if (const auto why = data::unreadable_reason(path); !why.empty())
+    throw std::invalid_argument(fmt::format("{}: cannot be read: {}", path, why));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::invalid_argument(fmt::format("{}: cannot be read", path));
   std::ostringstream text;

@@ -1,5 +1,6 @@
 #include "capsnet/viz/png.h"
 
+#include "capsnet/data/files.h"
 #include "capsnet/data/image_file.h"
 
 #include <fmt/format.h>
@@ -11,6 +12,8 @@
 namespace capsnet::viz {
 
 torch::Tensor read_png_gray(const std::string& path) {
+  if (const auto why = data::unreadable_reason(path); !why.empty())
+    throw PngError(fmt::format("{}: cannot open: {}", path, why));
   png_image image;
   std::memset(&image, 0, sizeof image);
   image.version = PNG_IMAGE_VERSION;
