@@ -32,11 +32,6 @@ Dims dims_of(const at::Tensor& votes) { return {votes.size(0), votes.size(1), vo
 // Problems per task: enough work (~64k values) that a task is worth handing to a thread.
 int64_t grain(const Dims& n) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, n.problem())); }
 
-// A gradient the caller left undefined (an output nobody used) counts as zeros.
-at::Tensor or_zeros(const at::Tensor& g, at::IntArrayRef shape, const at::Tensor& like) {
-  return g.defined() ? g.contiguous() : at::zeros(shape, like.options());
-}
-
 // The per-problem kernels below are always_inline templates, compiled once per instruction set inside
 // the *_range wrappers (isa.h). Their loops over d are contiguous and free of aliasing (restrict) and
 // get vectorised; the sums over d are `omp simd` reductions (the compiler's lane order, fixed per
@@ -220,14 +215,9 @@ std::tuple<at::Tensor, at::Tensor> em_weighted_moments_backward_cpu(const at::Te
                                                                     const at::Tensor& weights_in,
                                                                     const at::Tensor& votes_in,
                                                                     const at::Tensor& mean_in) {
-  detail::check_moments_inputs(kMomentsOp, weights_in, votes_in);
-  const auto w = weights_in.contiguous(), V = votes_in.contiguous();
+  const auto in = detail::moments_grad_inputs(kMomentsOp, grad_mean, grad_variance, weights_in, votes_in, mean_in);
+  const auto &w = in.weights, &V = in.votes, &mean = in.mean, &gm = in.grad_mean, &gv = in.grad_variance;
   const Dims n = dims_of(V);
-  const std::vector<int64_t> bjd{n.B, n.J, n.D};
-  detail::check_like_votes(kMomentsOp, "mean", mean_in, bjd, V);
-  const auto mean = mean_in.contiguous(), gm = or_zeros(grad_mean, bjd, V), gv = or_zeros(grad_variance, bjd, V);
-  detail::check_like_votes(kMomentsOp, "grad_mean", gm, bjd, V);
-  detail::check_like_votes(kMomentsOp, "grad_variance", gv, bjd, V);
   auto gw = at::empty_like(w), gV = at::empty_like(V);
   AT_DISPATCH_FLOATING_TYPES(V.scalar_type(), "em_weighted_moments_backward_cpu", [&] {
     const auto *pw = w.data_ptr<scalar_t>(), *pV = V.data_ptr<scalar_t>(), *pm = mean.data_ptr<scalar_t>();
@@ -243,8 +233,8 @@ std::tuple<at::Tensor, at::Tensor> em_weighted_moments_backward_cpu(const at::Te
 }
 
 at::Tensor em_scaled_distance_cpu(const at::Tensor& votes_in, const at::Tensor& mean_in, const at::Tensor& var_in) {
-  detail::check_distance_inputs(kDistanceOp, votes_in, mean_in, var_in);
-  const auto V = votes_in.contiguous(), mean = mean_in.contiguous(), var = var_in.contiguous();
+  const auto in = detail::distance_inputs(kDistanceOp, votes_in, mean_in, var_in);
+  const auto &V = in.votes, &mean = in.mean, &var = in.variance;
   const Dims n = dims_of(V);
   auto dist = at::empty({n.B, n.I, n.J}, V.options());
   AT_DISPATCH_FLOATING_TYPES(V.scalar_type(), "em_scaled_distance_cpu", [&] {
@@ -263,12 +253,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_scaled_distance_backward_cpu(c
                                                                                const at::Tensor& votes_in,
                                                                                const at::Tensor& mean_in,
                                                                                const at::Tensor& var_in) {
-  detail::check_distance_inputs(kDistanceOp, votes_in, mean_in, var_in);
-  const auto V = votes_in.contiguous(), mean = mean_in.contiguous(), var = var_in.contiguous();
+  const auto in = detail::distance_inputs(kDistanceOp, votes_in, mean_in, var_in, &grad_distance);
+  const auto &V = in.votes, &mean = in.mean, &var = in.variance, &g = in.grad_distance;
   const Dims n = dims_of(V);
-  const std::vector<int64_t> bij{n.B, n.I, n.J};
-  const auto g = or_zeros(grad_distance, bij, V);
-  detail::check_like_votes(kDistanceOp, "grad_distance", g, bij, V);
   auto gV = at::empty_like(V), gmean = at::empty_like(mean), gvar = at::empty_like(var);
   AT_DISPATCH_FLOATING_TYPES(V.scalar_type(), "em_scaled_distance_backward_cpu", [&] {
     const auto *pg = g.data_ptr<scalar_t>(), *pV = V.data_ptr<scalar_t>(), *pm = mean.data_ptr<scalar_t>(),

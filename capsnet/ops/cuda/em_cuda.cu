@@ -31,9 +31,6 @@ unsigned blocks_for(int64_t count) {
   return static_cast<unsigned>(std::clamp<int64_t>((count + kThreads - 1) / kThreads, 1, cap));
 }
 
-at::Tensor or_zeros(const at::Tensor& g, at::IntArrayRef shape, const at::Tensor& like) {
-  return g.defined() ? g.contiguous() : at::zeros(shape, like.options());
-}
 
 std::tuple<at::Tensor, at::Tensor> em_weighted_moments_cuda(const at::Tensor& weights_in, const at::Tensor& votes_in) {
   detail::check_moments_inputs(kMomentsOp, weights_in, votes_in);
@@ -56,15 +53,10 @@ std::tuple<at::Tensor, at::Tensor> em_weighted_moments_backward_cuda(const at::T
                                                                      const at::Tensor& weights_in,
                                                                      const at::Tensor& votes_in,
                                                                      const at::Tensor& mean_in) {
-  detail::check_moments_inputs(kMomentsOp, weights_in, votes_in);
-  const c10::cuda::CUDAGuard guard(votes_in.device());
-  const auto w = weights_in.contiguous(), V = votes_in.contiguous();
+  const auto in = detail::moments_grad_inputs(kMomentsOp, grad_mean, grad_variance, weights_in, votes_in, mean_in);
+  const auto &w = in.weights, &V = in.votes, &mean = in.mean, &gm = in.grad_mean, &gv = in.grad_variance;
+  const c10::cuda::CUDAGuard guard(V.device());
   const EmDims n = dims_of(V);
-  const std::vector<int64_t> bjd{n.B, n.J, n.D};
-  detail::check_like_votes(kMomentsOp, "mean", mean_in, bjd, V);
-  const auto mean = mean_in.contiguous(), gm = or_zeros(grad_mean, bjd, V), gv = or_zeros(grad_variance, bjd, V);
-  detail::check_like_votes(kMomentsOp, "grad_mean", gm, bjd, V);
-  detail::check_like_votes(kMomentsOp, "grad_variance", gv, bjd, V);
   auto gw = at::empty_like(w), gV = at::empty_like(V);
   if (gw.numel() == 0) return {gw, gV.zero_()};
   if (mean.numel() == 0) return {gw.zero_(), gV};
@@ -85,9 +77,9 @@ std::tuple<at::Tensor, at::Tensor> em_weighted_moments_backward_cuda(const at::T
 }
 
 at::Tensor em_scaled_distance_cuda(const at::Tensor& votes_in, const at::Tensor& mean_in, const at::Tensor& var_in) {
-  detail::check_distance_inputs(kDistanceOp, votes_in, mean_in, var_in);
-  const c10::cuda::CUDAGuard guard(votes_in.device());
-  const auto V = votes_in.contiguous(), mean = mean_in.contiguous(), var = var_in.contiguous();
+  const auto in = detail::distance_inputs(kDistanceOp, votes_in, mean_in, var_in);
+  const auto &V = in.votes, &mean = in.mean, &var = in.variance;
+  const c10::cuda::CUDAGuard guard(V.device());
   const EmDims n = dims_of(V);
   auto dist = at::empty({n.B, n.I, n.J}, V.options());
   if (dist.numel() == 0) return dist;
@@ -104,13 +96,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_scaled_distance_backward_cuda(
                                                                                 const at::Tensor& votes_in,
                                                                                 const at::Tensor& mean_in,
                                                                                 const at::Tensor& var_in) {
-  detail::check_distance_inputs(kDistanceOp, votes_in, mean_in, var_in);
-  const c10::cuda::CUDAGuard guard(votes_in.device());
-  const auto V = votes_in.contiguous(), mean = mean_in.contiguous(), var = var_in.contiguous();
+  const auto in = detail::distance_inputs(kDistanceOp, votes_in, mean_in, var_in, &grad_distance);
+  const auto &V = in.votes, &mean = in.mean, &var = in.variance, &g = in.grad_distance;
+  const c10::cuda::CUDAGuard guard(V.device());
   const EmDims n = dims_of(V);
-  const std::vector<int64_t> bij{n.B, n.I, n.J};
-  const auto g = or_zeros(grad_distance, bij, V);
-  detail::check_like_votes(kDistanceOp, "grad_distance", g, bij, V);
   auto gV = at::empty_like(V), gmean = at::empty_like(mean), gvar = at::empty_like(var);
   if (V.numel() == 0) return {gV, gmean.zero_(), gvar.zero_()};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, V.scalar_type(), "em_scaled_distance_backward_cuda", [&] {
