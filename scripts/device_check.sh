@@ -79,6 +79,14 @@ if [[ " $STAGES " == *" build "* ]]; then
         (cd "$dir" && rm -f capsnet/ops/libcapsnet_ops.so && eval "$cmd -Wl,--trace-symbol=_ZNSo9_M_insertIlEERSoT_ -Wl,--verbose" 2>&1 |
           grep -E "_M_insert|libstdc|attempt to open .*stdc" | head -20); } > "$OUT/link.txt" 2>&1
       grep -E "_M_insert" "$OUT/link.txt" | head -5 >> "$OUT/summary.txt"
+      # The same sources through torch.utils.cpp_extension (its own link line): used instead when clean.
+      cmake_lib=$lib
+      if build_extension && [ "$(nm -DC --defined-only "$lib" | grep -c 'std::basic_ostream')" = 0 ]; then
+        say "build: using $lib (cpp_extension: no C++ runtime code inside) instead of $cmake_lib"
+      else
+        say "build: cpp_extension did not give a clean library either; testing $cmake_lib"
+        lib=$cmake_lib
+      fi
     fi
   else
     say "build: FAILED (errors from build.log:)"
