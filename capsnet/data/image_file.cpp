@@ -150,9 +150,9 @@ void write_image_png(const std::string& path, const torch::Tensor& image) {
   if (!file) throw ImageError(fmt::format("{}: cannot write: {}", path, std::strerror(errno)));
   const bool written = png_image_write_to_stdio(&png, file.get(), 0, hwc.data_ptr<uint8_t>(), 0, nullptr) != 0;
   const bool flushed = std::fflush(file.get()) == 0 && !std::ferror(file.get());
+  const bool closed = std::fclose(file.release()) == 0;  // a write error may surface only here
   const int saved_errno = errno;
-  file.reset();
-  if (!written || !flushed) {
+  if (!written || !flushed || !closed) {
     if (!data::exists_but_not_regular(path)) std::filesystem::remove(path);
     throw ImageError(fmt::format("{}: cannot write PNG: {}", path, written ? std::strerror(saved_errno) : png.message));
   }
