@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "apps/runtime.h"
-#include "capsnet/train/adam_state.h"
-#include "capsnet/train/fused_adam.h"
+#include "capsnet/kernels/adam_state.h"
+#include "capsnet/kernels/fused_adam.h"
 #include "capsnet/train/gradients.h"
 
 namespace capsnet::apps {
@@ -98,9 +98,9 @@ BenchResult run_benchmark(const BenchOptions& o) {
   models::CapsNet model(o.model);
   model->set_fused_routing(o.fused_routing);
   model->set_precision(o.precision);
-  const auto adam = train::make_adam(model->parameters(), torch::optim::AdamOptions(1e-3));  // as the loop
+  const auto adam = kernels::make_adam(model->parameters(), torch::optim::AdamOptions(1e-3));  // as the loop
   auto& optimizer = *adam;
-  train::allocate_adam_state(optimizer);  // as the training loop does
+  kernels::allocate_adam_state(optimizer);  // as the training loop does
   const auto& c = o.model;
   // images: [B, C, H, W] in [0, 1); labels: [B]
   auto images = torch::rand({o.batch_size, c.image_channels, c.image_size, c.image_size});

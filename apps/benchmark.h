@@ -15,7 +15,7 @@ namespace capsnet::apps {
 struct BenchOptions {
   models::CapsNetConfig model;
   bool fused_routing = true;  // false: composite (reference-style) routing
-  nn::Precision precision = nn::Precision::kFloat32;  // compute type of the convolutions and decoder
+  Precision precision = Precision::kFloat32;  // compute type of the convolutions and decoder
   int64_t batch_size = 100;
   int64_t warmup_steps = 2;
   int64_t steps = 10;          // timed training steps; the median step time gives train_img_s

@@ -49,18 +49,21 @@ void address_of(int sock, bool peer, std::string& ip, int& port) {
 }
 
 /// A socket as httplib's Stream, with an absolute deadline for reading the current request and one for
-/// writing its response (started by its first byte). Reads are buffered because httplib reads the
-/// request line and headers one byte at a time.
+/// writing its response (started by its first byte), and a bound on the bytes read for the current request.
+/// Reads are buffered because httplib reads the request line and headers one byte at a time.
 class DeadlineStream final : public httplib::Stream {
  public:
   DeadlineStream(int sock, const ConnectionDeadlines& d) : sock_(sock), d_(d) {}
 
-  /// A new request starts now (its first byte is readable or already buffered).
-  void begin_request() {
+  /// A new request starts now (its first byte is readable or already buffered); it may take at most
+  /// max_bytes bytes (request line, headers and body, in any framing).
+  void begin_request(size_t max_bytes) {
     read_deadline_ = Clock::now() + d_.request;
     write_deadline_.reset();
+    budget_ = max_bytes;
   }
   bool timed_out() const { return timed_out_; }
+  bool over_budget() const { return over_budget_; }
   bool has_buffered() const { return begin_ < end_; }
 
   bool is_readable() const override { return has_buffered() || wait_for(sock_, POLLIN, read_deadline_); }
@@ -69,6 +72,13 @@ class DeadlineStream final : public httplib::Stream {
   }
 
   ssize_t read(char* ptr, size_t size) override {
+    // httplib reads a request line or header up to its newline, and a chunked body or a GET's body
+    // without its payload limit: the limit is here, on every byte of the request.
+    if (budget_ == 0) {
+      over_budget_ = true;
+      return -1;
+    }
+    size = std::min(size, budget_);
     if (!has_buffered()) {
       if (!wait_for(sock_, POLLIN, read_deadline_)) {
         timed_out_ = Clock::now() >= read_deadline_;
@@ -84,6 +94,7 @@ class DeadlineStream final : public httplib::Stream {
     const size_t n = std::min(size, end_ - begin_);
     std::copy_n(buffer_.data() + begin_, n, ptr);
     begin_ += n;
+    budget_ -= n;
     return static_cast<ssize_t>(n);
   }
 
@@ -108,7 +119,8 @@ class DeadlineStream final : public httplib::Stream {
   ConnectionDeadlines d_;
   Clock::time_point read_deadline_ = Clock::now();
   std::optional<Clock::time_point> write_deadline_;
-  bool timed_out_ = false;
+  bool timed_out_ = false, over_budget_ = false;
+  size_t budget_ = 0;
   std::array<char, 4096> buffer_{};
   size_t begin_ = 0, end_ = 0;
 };
@@ -122,12 +134,16 @@ bool DeadlineServer::process_and_close_socket(socket_t sock) {
   for (size_t served = 0; served < keep_alive_max_count_; ++served) {
     // A pipelined request may already be buffered; otherwise wait (bounded) for its first byte.
     if (!stream.has_buffered() && !wait_for(sock, POLLIN, Clock::now() + deadlines_.idle, &svr_sock_)) break;
-    stream.begin_request();
+    stream.begin_request(payload_max_length_ + kMaxHeadBytes);
     const bool last = served + 1 == keep_alive_max_count_ || Clock::now() - opened >= deadlines_.connection;
     bool closed = false;
     ok = process_request(stream, last, closed, [](httplib::Request&) {});
     if (stream.timed_out()) {
       ++timed_out_;
+      break;
+    }
+    if (stream.over_budget()) {
+      ++over_budget_;
       break;
     }
     if (!ok || closed || last) break;

@@ -371,6 +371,7 @@ void LiveViewer::stop() { server_->http.stop(); }
 bool LiveViewer::running() const { return server_->http.is_running(); }
 
 int64_t LiveViewer::timed_out_connections() const { return server_->http.timed_out_connections(); }
+int64_t LiveViewer::oversized_connections() const { return server_->http.oversized_connections(); }
 
 std::string LiveViewer::url() const {
   const auto& host = api_.options().host;

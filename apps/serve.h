@@ -114,6 +114,8 @@ class LiveViewer {
   std::string url() const;
   /// Connections closed because a client missed a deadline (ServeOptions::request_seconds, ...).
   int64_t timed_out_connections() const;
+  /// Connections closed because a request was longer than max_body_bytes plus 64 KiB (any framing).
+  int64_t oversized_connections() const;
 
   LiveViewerApi& api() { return api_; }
 

@@ -312,31 +312,11 @@ def run_check(args):
     return 0 if ok else 1
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch-size", type=int, default=100)
-    ap.add_argument("--steps", type=int, default=10, help="timed training steps (after 2 warm-up steps)")
-    ap.add_argument("--infer-batches", type=int, default=5)
-    ap.add_argument("--latency-runs", type=int, default=30)
-    ap.add_argument("--routing-iters", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--channels-last", action="store_true",
-                    help="channels_last convolutions (measured slower here than NCHW in fp32, equal in bf16)")
-    ap.add_argument("--no-malloc-tune", action="store_true", help="leave glibc malloc at its defaults")
-    ap.add_argument("--check", action="store_true", help="compare with peer_capsnet.py; PASS/FAIL")
-    args = ap.parse_args()
-
-    malloc_tuned = False if args.no_malloc_tune else tune_malloc()
-    torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
-    if args.check:
-        sys.exit(run_check(args))
-
-    torch.manual_seed(args.seed)
+def measure(model, args, config, impl, extra=None):
+    """Times `model` as `capsnet bench` expects and prints its one JSON line: training steps at
+    args.batch_size (after 2 warm-up steps), inference batches, batch-1 latency, peak RSS. Shared by the
+    tuned and the spectral peer, so both are measured alike."""
     B = args.batch_size
-    model = TunedCapsNet(args.routing_iters, channels_last=args.channels_last)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
     images = torch.rand(B, 1, 28, 28)
     labels = torch.randint(0, 10, (B,))
@@ -380,17 +360,46 @@ def main():
             model(one)[0].argmax(1)
             lat.append(time.perf_counter() - t)
 
-    print(json.dumps({
-        "config": "peer-tuned" + ("-bf16" if args.precision == "bf16" else ""), "impl": "tuned plain PyTorch (Python, eager) " + torch.__version__,
+    result = {
+        "config": config + ("-bf16" if args.precision == "bf16" else ""), "impl": impl + " " + torch.__version__,
         "batch_size": B, "threads": torch.get_num_threads(), "routing_iters": args.routing_iters,
         "train_img_s": B / statistics.median(times), "infer_img_s": B / statistics.median(infer),
         "latency_b1_ms": 1000 * statistics.median(lat),
         "latency_b1_p90_ms": 1000 * sorted(lat)[math.ceil(0.9 * len(lat)) - 1],
         "train_peak_rss_mb": train_peak, "train_rss_growth_mb": train_peak - rss_before,
         "steps": args.steps, "precision": args.precision,
-        "channels_last": args.channels_last, "malloc_tuned": malloc_tuned,
-    }))
+        "channels_last": args.channels_last, "malloc_tuned": args.malloc_tuned,
+    }
+    result.update(extra or {})
+    print(json.dumps(result))
     sys.stdout.flush()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch-size", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=10, help="timed training steps (after 2 warm-up steps)")
+    ap.add_argument("--infer-batches", type=int, default=5)
+    ap.add_argument("--latency-runs", type=int, default=30)
+    ap.add_argument("--routing-iters", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--channels-last", action="store_true",
+                    help="channels_last convolutions (measured slower here than NCHW in fp32, equal in bf16)")
+    ap.add_argument("--no-malloc-tune", action="store_true", help="leave glibc malloc at its defaults")
+    ap.add_argument("--check", action="store_true", help="compare with peer_capsnet.py; PASS/FAIL")
+    args = ap.parse_args()
+
+    args.malloc_tuned = False if args.no_malloc_tune else tune_malloc()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    if args.check:
+        sys.exit(run_check(args))
+
+    torch.manual_seed(args.seed)
+    measure(TunedCapsNet(args.routing_iters, channels_last=args.channels_last), args, "peer-tuned",
+            "tuned plain PyTorch (Python, eager)")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@
 
 #include "capsnet/train/json_input.h"
 #include "capsnet/data/mnist.h"
-#include "capsnet/nn/precision.h"
+#include "capsnet/kernels/precision.h"
 #include "apps/runtime.h"
 #include "capsnet/train/trainer.h"
 #include "apps/cli/commands.h"
@@ -47,7 +47,7 @@ nlohmann::json run_settings(const Flags& f, int64_t r, bool reconstruction) {
   return {{"routing_iterations", r}, {"reconstruction", reconstruction}, {"epochs", f.epochs},
           {"steps", f.steps},        {"batch_size", f.batch_size},       {"train_limit", f.train_limit},
           {"test_limit", f.test_limit}, {"seed", f.seed},
-          {"precision", nn::precision_name(nn::parse_precision(f.precision))}};
+          {"precision", precision_name(parse_precision(f.precision))}};
 }
 
 // Files that mark a sub-run folder as holding an earlier run (check_run_dir).
@@ -103,7 +103,7 @@ int run(const Flags& f) {
         } catch (const std::invalid_argument& e) {
           throw std::invalid_argument(
               fmt::format("ablation: run {} was trained with other settings ({}): {}", p.name,
-                          previous.is_null() ? "not recorded" : previous.dump(), e.what()));
+                          previous.is_null() ? "not recorded" : train::dump_json(previous), e.what()));
         }
       }
       plan.push_back(std::move(p));
@@ -128,7 +128,7 @@ int run(const Flags& f) {
     fs::remove_all(dir);
     // Written first, so that a later ablation recognises this run even if it is interrupted.
     fs::create_directories(dir);
-    write_text_file(dir + "/settings.json", nlohmann::json{{"settings", settings}}.dump(2) + "\n");
+    write_text_file(dir + "/settings.json", train::dump_json(nlohmann::json{{"settings", settings}}, 2) + "\n");
     std::cerr << fmt::format("ablation: [{}/{}] {}: training\n", index, total, name);
     train::TrainOptions o;
     o.model.routing_iterations = r;
@@ -159,13 +159,13 @@ int run(const Flags& f) {
                         {"train_seconds", t.seconds},
                         {"train_img_s", t.images_per_second},
                         {"paper_test_error_percent", paper_error(r, recon)}};
-    write_text_file(result_path, j.dump(2) + "\n");
+    write_text_file(result_path, train::dump_json(j, 2) + "\n");
     std::cerr << fmt::format("ablation: [{}/{}] {}: test error {:.2f}% ({} steps, {:.0f} s)\n", index, total, name,
                              100 * (1 - t.test->accuracy), t.end_step, t.seconds);
     results.push_back(j);
   }
 
-  write_text_file(f.out_dir + "/ablation.json", results.dump(2) + "\n");
+  write_text_file(f.out_dir + "/ablation.json", train::dump_json(results, 2) + "\n");
   std::string table = "| routing iterations r | reconstruction | epochs | test error (ours) | test error (paper) |\n"
                       "|---:|:---:|---:|---:|---:|\n";
   for (const auto& j : results) {

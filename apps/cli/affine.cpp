@@ -19,9 +19,9 @@
 #include "capsnet/data/transforms.h"
 #include "capsnet/models/baseline_cnn.h"
 #include "capsnet/models/capsnet.h"
-#include "capsnet/nn/precision.h"
+#include "capsnet/kernels/precision.h"
 #include "capsnet/train/checkpoint.h"
-#include "capsnet/train/classifier_task.h"
+#include "apps/experiments/classifier_task.h"
 #include "capsnet/train/metrics.h"
 #include "apps/runtime.h"
 #include "capsnet/viz/figures.h"
@@ -46,23 +46,23 @@ struct Flags {
   int threads = 0;
 };
 
-train::Classifier make_classifier(const std::string& name, const Flags& f, nn::Precision precision) {
+experiments::Classifier make_classifier(const std::string& name, const Flags& f, Precision precision) {
   if (name == "capsnet") {
     models::CapsNetConfig c;
     c.image_size = kCanvas;  // primary grid 12x12 -> 4608 capsules; decoder outputs 40*40 = 1600 pixels
-    return train::capsnet_classifier(name, c, precision);
+    return experiments::capsnet_classifier(name, c, precision);
   }
   models::BaselineCnnConfig c;
   c.image_size = kCanvas;
   c.pooling = !f.cnn_no_pool;
-  return train::cnn_classifier(name, c, precision);
+  return experiments::cnn_classifier(name, c, precision);
 }
 
 /// The loop options of one model: a fixed number of steps at a constant rate (the quick comparison),
 /// or whole epochs with an evaluation on the translated test set after each, stopping at the target
 /// accuracy when one is given (the paper's protocol: train each model until it reaches ~99.2%).
-train::LoopOptions loop_options(const Flags& f, const std::string& run_dir, nn::Precision precision) {
-  auto o = train::comparison_options(run_dir, f.steps, f.batch_size, f.lr, f.seed, f.log_every, !f.no_progress);
+train::LoopOptions loop_options(const Flags& f, const std::string& run_dir, Precision precision) {
+  auto o = experiments::comparison_options(run_dir, f.steps, f.batch_size, f.lr, f.seed, f.log_every, !f.no_progress);
   o.precision = precision;
   if (f.epochs > 0) {
     o.epochs = f.epochs;
@@ -136,7 +136,7 @@ torch::Tensor example_figure(const data::ImageSet& test, const data::ImageSet& w
 
 int run(const Flags& f) {
   if (f.threads > 0) set_threads(f.threads);
-  const auto precision = nn::parse_precision(f.precision);
+  const auto precision = parse_precision(f.precision);
   note_precision_choice(f.precision);
   if (f.steps <= 0) throw std::invalid_argument(fmt::format("--steps must be positive, got {}", f.steps));
   if (f.target_accuracy > 0 && f.epochs == 0)
@@ -171,7 +171,7 @@ int run(const Flags& f) {
                             {"lr", f.lr},             {"seed", f.seed},             {"test_seed", f.test_seed},
                             {"max_shift", f.max_shift}, {"train_examples", train_set.size()},
                             {"test_examples", test_set.size()}, {"threads", at::get_num_threads()},
-                            {"canvas", kCanvas},      {"precision", nn::precision_name(precision)}};
+                            {"canvas", kCanvas},      {"precision", precision_name(precision)}};
   if (f.epochs > 0) {
     options["epochs"] = f.epochs;
     options["lr_decay"] = f.lr_decay;
@@ -181,8 +181,8 @@ int run(const Flags& f) {
   metrics.write({{"event", "start"}, {"options", options}, {"resume", f.resume}});
 
   // The end-of-epoch evaluation (epoch mode): the translated test set, which the target refers to.
-  const train::ClassifierEvaluator evaluate_translated = [&](train::Classifier& c, std::ostream* progress) {
-    const double acc = train::classifier_accuracy(c, translated, f.eval_batch_size, progress, "translated test");
+  const experiments::ClassifierEvaluator evaluate_translated = [&](experiments::Classifier& c, std::ostream* progress) {
+    const double acc = experiments::classifier_accuracy(c, translated, f.eval_batch_size, progress, "translated test");
     return train::Evaluation{
         {{"split", "translated_mnist"}, {"accuracy", acc}, {"error", 1 - acc}, {"examples", translated.size()}},
         fmt::format("translated test accuracy {:.2f}% ({} images)", 100 * acc, translated.size())};
@@ -193,15 +193,15 @@ int run(const Flags& f) {
   for (const auto& name : names) {
     // MNIST placed at random in the 40x40 canvas; the batch order and placements are functions of the
     // seed and the step alone, so every model sees exactly the same training images.
-    train::ClassifierTask task(
-        [&f, name](nn::Precision p) { return make_classifier(name, f, p); }, train_set.size(), /*shuffle=*/true,
+    experiments::ClassifierTask task(
+        [&f, name](Precision p) { return make_classifier(name, f, p); }, train_set.size(), /*shuffle=*/true,
         [&](const torch::Tensor& ids, at::Generator& gen) {
           auto images = data::place_in_canvas(data::to_float(train_set.images.index_select(0, ids)), kCanvas,
                                               f.max_shift, gen);              // [B, 1, 40, 40]
           return std::make_pair(images, train_set.labels.index_select(0, ids));  // labels [B]
         },
         nlohmann::json{{"train_examples", train_set.size()}, {"max_shift", f.max_shift}, {"canvas", kCanvas}},
-        f.epochs > 0 ? evaluate_translated : train::ClassifierEvaluator{});
+        f.epochs > 0 ? evaluate_translated : experiments::ClassifierEvaluator{});
     const auto run_dir = f.out_dir + "/" + name;
     auto o = loop_options(f, run_dir, precision);
     const auto ckpt = train::checkpoint_path(run_dir);
@@ -225,8 +225,8 @@ int run(const Flags& f) {
     const auto t_eval = Clock::now();
     std::ostream* progress = f.no_progress ? nullptr : &std::cerr;
     const double acc_translated =
-        train::classifier_accuracy(r, translated, f.eval_batch_size, progress, "translated test");
-    const double acc_affine = train::classifier_accuracy(r, affine, f.eval_batch_size, progress, "affNIST-style test");
+        experiments::classifier_accuracy(r, translated, f.eval_batch_size, progress, "translated test");
+    const double acc_affine = experiments::classifier_accuracy(r, affine, f.eval_batch_size, progress, "affNIST-style test");
     const double eval_seconds = train::seconds_since(t_eval);
     for (const auto& [split, acc] : {std::pair<std::string, double>{"translated_mnist", acc_translated},
                                      std::pair<std::string, double>{"affnist_style", acc_affine}})
@@ -239,7 +239,7 @@ int run(const Flags& f) {
     nlohmann::json row = {{"model", r.name},
                           {"parameters", parameters},
                           {"config", r.config},
-                          {"precision", nn::precision_name(precision)},
+                          {"precision", precision_name(precision)},
                           {"steps", stats.step},
                           {"training_images_seen", stats.images},
                           {"train_seconds", stats.seconds},
@@ -282,7 +282,7 @@ int run(const Flags& f) {
                           "MNIST test set; not comparable with this generated set or a short budget"}}},
       {"figure", figure_path}};
   const std::string json_path = f.out_dir + "/affine.json";
-  write_text_file(json_path, report.dump(2) + "\n");
+  write_text_file(json_path, train::dump_json(report, 2) + "\n");
 
   std::cout << "affine robustness on an affNIST-STYLE test set (generated here; NOT the real affNIST)\n";
   std::cout << fmt::format("{:<8} {:>11} {:>6} {:>8} {:>8} {:>14} {:>18}\n", "model", "parameters", "steps", "images",

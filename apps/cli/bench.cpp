@@ -31,7 +31,7 @@ using apps::median;
 
 struct Flags {
   // fused-bf16 joins where the CPU computes bf16 natively (docs/kernels.md).
-  std::vector<std::string> configs = nn::cpu_has_native_bf16()
+  std::vector<std::string> configs = cpu_has_native_bf16()
                                          ? std::vector<std::string>{"fused", "fused-bf16", "reference", "peer",
                                                                     "peer-tuned", "peer-tuned-bf16"}
                                          : std::vector<std::string>{"fused", "reference", "peer", "peer-tuned"};
@@ -40,6 +40,7 @@ struct Flags {
   std::string python = "/usr/bin/python3";
   std::string peer_script = std::string(CAPSNET_SOURCE_DIR) + "/bench/peer_capsnet.py";
   std::string tuned_peer_script = std::string(CAPSNET_SOURCE_DIR) + "/bench/peer_tuned.py";
+  std::string spectral_peer_script = std::string(CAPSNET_SOURCE_DIR) + "/bench/peer_spectral.py";
   std::string jsonl;
   std::string worker;  // internal: run one configuration in this process and print one JSON line
   bool onednn_counts = false;
@@ -52,7 +53,12 @@ const std::map<std::string, std::string> kDescriptions = {
     {"reference", "capsnet, composite routing (u_hat materialised)"},
     {"peer", "plain PyTorch peer (Python, eager)"},
     {"peer-tuned", "tuned plain PyTorch peer (Python, eager)"},
-    {"peer-tuned-bf16", "tuned plain PyTorch peer, bf16 autocast"}};
+    {"peer-tuned-bf16", "tuned plain PyTorch peer, bf16 autocast"},
+    {"peer-spectral", "spectral plain PyTorch peer (PrimaryCaps through DFTs, as capsnet)"},
+    {"peer-spectral-bf16", "spectral plain PyTorch peer, bf16 spectra and products"}};
+
+const std::vector<std::string> kConfigs = {"fused",      "fused-bf16",      "reference",     "peer",
+                                           "peer-tuned", "peer-tuned-bf16", "peer-spectral", "peer-spectral-bf16"};
 
 bool is_peer(const std::string& config) { return config.rfind("peer", 0) == 0; }
 
@@ -101,10 +107,12 @@ std::string worker_command(const Flags& f, const std::string& config) {
   if (config == "peer")
     return shell_quote(f.python) + " " + shell_quote(f.peer_script) + sizes + threads +
            fmt::format(" --routing-iters {}", f.routing_iters);
-  if (config == "peer-tuned" || config == "peer-tuned-bf16")
-    return shell_quote(f.python) + " " + shell_quote(f.tuned_peer_script) + sizes + threads +
-           fmt::format(" --routing-iters {} --precision {}", f.routing_iters,
-                       config == "peer-tuned-bf16" ? "bf16" : "fp32");
+  if (config.rfind("peer-tuned", 0) == 0 || config.rfind("peer-spectral", 0) == 0) {
+    const bool bf16 = config.size() > 5 && config.compare(config.size() - 5, 5, "-bf16") == 0;
+    const auto& script = config.rfind("peer-tuned", 0) == 0 ? f.tuned_peer_script : f.spectral_peer_script;
+    return shell_quote(f.python) + " " + shell_quote(script) + sizes + threads +
+           fmt::format(" --routing-iters {} --precision {}", f.routing_iters, bf16 ? "bf16" : "fp32");
+  }
   return shell_quote(self_exe()) + " bench --worker " + config + sizes + threads +
          fmt::format(" --routing-iters {}", f.routing_iters);
 }
@@ -178,14 +186,14 @@ int run_onednn_counts(const Flags& f) {
     std::cout << fmt::format("{:<16} {:>14.1f} {:>10.1f} {:>12.1f} {:>10.1f} {:>12.1f}\n", config, conv,
                              ms_per_step("convolution"), reorder, ms_per_step("reorder"), other);
   }
-  std::cout << summary.dump() << std::endl;
+  std::cout << train::dump_json(summary) << std::endl;
   return 0;
 }
 
 int run_one(const Flags& f) {
   apps::BenchOptions o;
   o.fused_routing = f.worker == "fused" || f.worker == "fused-bf16";
-  if (f.worker == "fused-bf16") o.precision = nn::parse_precision("bf16");
+  if (f.worker == "fused-bf16") o.precision = parse_precision("bf16");
   o.model.routing_iterations = f.routing_iters;
   o.batch_size = f.batch_size;
   o.steps = f.steps;
@@ -198,7 +206,7 @@ int run_one(const Flags& f) {
   j["threads"] = at::get_num_threads();
   j["routing_iters"] = f.routing_iters;
   j["steps"] = f.steps;
-  std::cout << j.dump() << std::endl;
+  std::cout << train::dump_json(j) << std::endl;
   return 0;
 }
 
@@ -216,7 +224,7 @@ int run_all(const Flags& f) {
                                          "(--python), or leave the peers out with --configs fused,reference",
                                          f.python));
   // The machine's practical peak in this run's conditions: the same threads, the same moment.
-  const bool bf16 = nn::cpu_has_native_bf16();
+  const bool bf16 = cpu_has_native_bf16();
   const double peak_fp32 = apps::gemm_gflops(torch::kFloat);
   const double peak_bf16 = bf16 ? apps::gemm_gflops(torch::kBFloat16) : 0;
   std::cerr << fmt::format("bench: GEMM probe (2048^3, best of 5): fp32 {:.0f} GFLOP/s{}\n", peak_fp32,
@@ -239,7 +247,7 @@ int run_all(const Flags& f) {
           "train {:6.1f} img/s  infer {:6.1f} img/s  batch-1 {:6.2f} ms (p90 {:6.2f})  train peak RSS {:6.0f} MB\n",
           j.at("train_img_s").get<double>(), j.at("infer_img_s").get<double>(), j.at("latency_b1_ms").get<double>(),
           j.at("latency_b1_p90_ms").get<double>(), j.at("train_peak_rss_mb").get<double>());
-      if (jsonl) *jsonl << j.dump() << '\n';
+      if (jsonl) *jsonl << train::dump_json(j) << '\n';
     }
 
   nlohmann::json summary = {{"summary", true},
@@ -262,7 +270,7 @@ int run_all(const Flags& f) {
   }
   // Achieved arithmetic rate: training = 3 forward passes' FLOPs per image (forward_flops_per_image).
   // Nominal FLOPs: the direct convolutions'. capsnet's PrimaryCaps runs through DFTs with 5.1x fewer
-  // multiply-adds in both precisions (nn/spectral_conv.h), so its shares of the probe can exceed 100%.
+  // multiply-adds in both precisions (kernels/spectral_conv.h), so its shares of the probe can exceed 100%.
   std::cout << fmt::format("\nachieved GFLOP/s ({:.3f} GFLOP per image forward, x3 for a training step; nominal: the "
                            "direct convolutions' count, which capsnet's PrimaryCaps (fp32 and bf16) undercuts 5x "
                            "in training and at batch >= 32 in inference) and share of the GEMM probe of the "
@@ -299,12 +307,14 @@ int run_all(const Flags& f) {
   ratios("fused-bf16", "fused");
   ratios("fused-bf16", "peer-tuned-bf16");
   ratios("fused", "peer-tuned");
+  ratios("fused-bf16", "peer-spectral-bf16");
+  ratios("fused", "peer-spectral");
   ratios("fused-bf16", "peer");
   ratios("fused", "peer");
   ratios("peer-tuned", "peer");
   ratios("fused", "reference");
   ratios("reference", "peer");
-  if (jsonl) *jsonl << summary.dump() << '\n';
+  if (jsonl) *jsonl << train::dump_json(summary) << '\n';
   return 0;
 }
 
@@ -316,9 +326,10 @@ Subcommand add_bench(CLI::App& root) {
       "bench", "Training/inference speed, batch-1 latency and peak memory: fused op vs composite routing vs the "
                "plain-PyTorch peer, side by side (synthetic data; each run in its own process)");
   app->add_option("--configs", f->configs,
-                  "Which to run, comma-separated: fused, fused-bf16, reference, peer, peer-tuned, peer-tuned-bf16")
+                  "Which to run, comma-separated: fused, fused-bf16, reference, peer, peer-tuned, peer-tuned-bf16, "
+                  "peer-spectral, peer-spectral-bf16")
       ->delimiter(',')
-      ->check(CLI::IsMember({"fused", "fused-bf16", "reference", "peer", "peer-tuned", "peer-tuned-bf16"}))
+      ->check(CLI::IsMember(kConfigs))
       ->capture_default_str();
   app->add_option("--repeats", f->repeats, "Interleaved repeats; medians are reported")
       ->check(CLI::PositiveNumber)
@@ -339,6 +350,8 @@ Subcommand add_bench(CLI::App& root) {
   app->add_option("--python", f->python, "Python with PyTorch for the peer")->capture_default_str();
   app->add_option("--peer-script", f->peer_script, "The naive peer's script")->capture_default_str();
   app->add_option("--tuned-peer-script", f->tuned_peer_script, "The tuned peer's script")->capture_default_str();
+  app->add_option("--spectral-peer-script", f->spectral_peer_script, "The spectral peer's script")
+      ->capture_default_str();
   app->add_option("--jsonl", f->jsonl, "Append every run and the summary as JSON lines to this file");
   app->add_flag("--onednn-counts", f->onednn_counts,
                 "Instead of timing: count oneDNN primitive executions (convolutions, reorders) per training step "
@@ -351,7 +364,7 @@ Subcommand add_bench(CLI::App& root) {
             if (f->threads > 0) set_threads(f->threads);
             if (!f->worker.empty()) return run_one(*f);
             // Appending to the Python or a peer script it runs would damage them.
-            if (!f->jsonl.empty()) check_not_an_input(f->jsonl, {f->python, f->peer_script, f->tuned_peer_script});
+            if (!f->jsonl.empty()) check_not_an_input(f->jsonl, {f->python, f->peer_script, f->tuned_peer_script, f->spectral_peer_script});
             return f->onednn_counts ? run_onednn_counts(*f) : run_all(*f);
           }};
 }

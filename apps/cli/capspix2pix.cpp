@@ -1,6 +1,6 @@
 // capsnet capspix2pix: conditional image synthesis (label map -> image) with a capsule generator
 // (CapsPix2pix, Bass et al. 2019) or the pix2pix CNN U-net, one PatchGAN discriminator (docs/capspix2pix.md).
-#include "capsnet/train/capspix2pix.h"
+#include "apps/experiments/capspix2pix.h"
 
 #include <fmt/format.h>
 
@@ -15,6 +15,7 @@
 #include "capsnet/data/mnist.h"
 #include "capsnet/models/capsnet.h"
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/json_input.h"
 #include "capsnet/viz/png.h"
 #include "apps/cli/commands.h"
 #include "apps/cli/loop_flags.h"
@@ -32,7 +33,7 @@ int64_t count(const std::vector<torch::Tensor>& params) {
 
 Subcommand add_capspix2pix(CLI::App& root) {
   struct Flags {
-    train::Pix2pixTrainOptions o;
+    experiments::Pix2pixTrainOptions o;
     data::LabelMapOptions maps;
     DataFlags data;
     uint64_t test_seed = 1001;
@@ -108,22 +109,22 @@ Subcommand add_capspix2pix(CLI::App& root) {
               const auto t_start = std::chrono::steady_clock::now();
               auto& o = f->o;
               std::optional<models::Pix2pix> other;
-              if (!f->compare_with.empty()) other = train::load_pix2pix(f->compare_with);  // fail before training
+              if (!f->compare_with.empty()) other = experiments::load_pix2pix(f->compare_with);  // fail before training
               std::optional<models::CapsNet> classifier;
               if (!f->classifier.empty()) classifier = train::load_model(f->classifier);
               data::LabelMaps train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.seed, f->maps);
               data::LabelMaps test_set(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_seed, f->maps);
 
-              auto result = train::train_pix2pix(o, train_set, test_set, std::cout);
+              auto result = experiments::train_pix2pix(o, train_set, test_set, std::cout);
               auto& model = result.model;
               const auto& t = result.test;
               std::cout << fmt::format(
                   "{} generator, test ({} maps): L1 {:.4f} PSNR {:.2f} dB SSIM {:.4f}; diversity across z {:.4f}\n",
                   o.model.generator, t.examples, t.l1, t.psnr, t.ssim, t.diversity);
 
-              std::optional<train::LabelConsistency> consistency;
+              std::optional<experiments::LabelConsistency> consistency;
               if (classifier) {
-                consistency = train::label_consistency(model, *classifier, test_set, o.test_size, o.eval_batch_size,
+                consistency = experiments::label_consistency(model, *classifier, test_set, o.test_size, o.eval_batch_size,
                                                        o.eval_seed);
                 std::cout << fmt::format(
                     "label consistency ({} maps, classifier {}): generated {:.2f}%, real images {:.2f}%\n",
@@ -137,7 +138,7 @@ Subcommand add_capspix2pix(CLI::App& root) {
                   {"generator_parameters", count(model->generator_parameters())},
                   {"discriminator_parameters", count(model->discriminator_parameters())},
                   {"routing", f->composite_routing ? "composite" : "fused"},
-                  {"precision", nn::precision_name(o.loop_options().precision)},
+                  {"precision", precision_name(o.loop_options().precision)},
                   {"data",
                    {{"dataset", f->data.dataset},
                     {"dir", f->data.resolved()},
@@ -205,18 +206,18 @@ Subcommand add_capspix2pix(CLI::App& root) {
                   std::cout << fmt::format("wrote {} ({}x{} px)\n", png, figure.size(1), figure.size(0));
                 };
                 write("capspix2pix_compare.png",
-                      train::pix2pix_comparison_figure(models, test_set, 0, f->figure_rows, o.eval_seed),
+                      experiments::pix2pix_comparison_figure(models, test_set, 0, f->figure_rows, o.eval_seed),
                       "one row per held-out map: label | " + names + " | real");
                 write("capspix2pix_variations.png",
-                      train::pix2pix_variations_figure(models, test_set, 0, 8, o.eval_seed),
+                      experiments::pix2pix_variations_figure(models, test_set, 0, 8, o.eval_seed),
                       "one row per model (" + names + "): label of held-out map 0 | 8 samples, different z");
                 write("capspix2pix_interpolation.png",
-                      train::pix2pix_interpolation_figure(models, test_set, 0, 8, o.eval_seed),
+                      experiments::pix2pix_interpolation_figure(models, test_set, 0, 8, o.eval_seed),
                       "one row per model (" + names + "): label of held-out map 0 | z = (1 - t) z1 + t z2, t = 0..1");
               }
               summary["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
               const std::string json_path = o.out_dir + "/capspix2pix.json";
-              write_text_file(json_path, summary.dump(2) + "\n");
+              write_text_file(json_path, train::dump_json(summary, 2) + "\n");
               std::cout << fmt::format("wrote {}\n", json_path);
               return 0;
             });

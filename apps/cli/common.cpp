@@ -1,6 +1,6 @@
 #include "capsnet/data/mnist.h"
 #include "apps/cli/commands.h"
-#include "capsnet/nn/precision.h"
+#include "capsnet/kernels/precision.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -33,7 +33,7 @@ void add_training_precision_flag(CLI::App& app, std::string& precision) {
 }
 
 void note_precision_choice(const std::string& precision) {
-  if (precision == "auto" && !nn::cpu_has_native_bf16())
+  if (precision == "auto" && !cpu_has_native_bf16())
     std::cerr << "note: --precision auto: this CPU has no native bf16 arithmetic (AVX512_BF16 or AMX), "
                  "computing in fp32\n";
 }

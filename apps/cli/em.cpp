@@ -1,5 +1,5 @@
 // capsnet em: train and evaluate matrix capsules with EM routing (Hinton, Sabour & Frosst 2018).
-#include "capsnet/train/em.h"
+#include "apps/experiments/em.h"
 
 #include <fmt/format.h>
 
@@ -12,6 +12,7 @@
 
 #include "capsnet/data/mnist.h"
 #include "capsnet/train/distributed.h"
+#include "capsnet/train/json_input.h"
 #include "apps/runtime.h"
 #include "apps/cli/commands.h"
 #include "apps/cli/loop_flags.h"
@@ -20,7 +21,7 @@ namespace capsnet::apps::cli {
 
 Subcommand add_em(CLI::App& root) {
   struct Flags {
-    train::EmTrainOptions o;
+    experiments::EmTrainOptions o;
     DataFlags data;
     LoopFlags loop;
     double max_minutes = 0;
@@ -156,7 +157,7 @@ Subcommand add_em(CLI::App& root) {
               auto test_set = data::load_mnist(dir, data::Split::kTest);
               std::cout << fmt::format("{}: {} training, {} test images from {}\n", f->data.dataset, train_set.size(),
                                        test_set.size(), dir);
-              auto r = train::train_em(o, train_set, &test_set, std::cout, group);
+              auto r = experiments::train_em(o, train_set, &test_set, std::cout, group);
               if (group && group->rank() != 0) return 0;  // rank 0 reports
 
               nlohmann::json summary = {{"task", "em"},
@@ -184,7 +185,7 @@ Subcommand add_em(CLI::App& root) {
               }
               summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
               const std::string json_path = o.out_dir + "/em.json";
-              write_text_file(json_path, summary.dump(2) + "\n");
+              write_text_file(json_path, train::dump_json(summary, 2) + "\n");
               std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
               return 0;
             });

@@ -6,9 +6,10 @@
 
 #include "capsnet/data/mnist.h"
 #include "capsnet/train/checkpoint.h"
-#include "capsnet/train/em.h"
+#include "apps/experiments/em.h"
 #include "capsnet/train/export.h"
 #include "capsnet/train/evaluate.h"
+#include "capsnet/train/json_input.h"
 #include "apps/runtime.h"
 #include "apps/cli/commands.h"
 
@@ -41,7 +42,7 @@ Subcommand add_eval(CLI::App& root) {
   return {app, [f, app]() {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             if (f->threads > 0) set_threads(f->threads);
-            const auto precision = nn::parse_precision(f->precision);
+            const auto precision = parse_precision(f->precision);
             // Either network: a CapsNet, or matrix capsules with EM routing (capsnet em).
             const bool matrix = train::stored_model(f->checkpoint) == train::kMatrixCapsNetModel;
             models::CapsNet capsnet{nullptr};
@@ -89,7 +90,7 @@ Subcommand add_eval(CLI::App& root) {
             std::ostream* progress = f->no_progress || f->json ? nullptr : &std::cerr;
             train::EvalResult r;
             if (matrix) {
-              auto e = train::evaluate_em(matrix_caps, set, /*count=*/0, f->batch_size, train::kFinalSpreadMargin,
+              auto e = experiments::evaluate_em(matrix_caps, set, /*count=*/0, f->batch_size, experiments::kFinalSpreadMargin,
                                           progress);
               r.examples = e.examples;
               r.accuracy = e.accuracy;
@@ -109,7 +110,7 @@ Subcommand add_eval(CLI::App& root) {
                 std::vector<int64_t> row(c[i].data(), c[i].data() + r.confusion.size(1));
                 j["confusion"].push_back(row);
               }
-              std::cout << j.dump() << '\n';
+              std::cout << train::dump_json(j) << '\n';
             } else {
               std::cout << fmt::format("{} accuracy: {:.2f}% (error {:.2f}%, {} of {} wrong), {}loss {:.4f}\n", f->split,
                                        100 * r.accuracy, 100 * (1 - r.accuracy),

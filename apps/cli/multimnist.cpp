@@ -14,7 +14,8 @@
 #include "capsnet/data/mnist.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/distributed.h"
-#include "capsnet/train/multimnist.h"
+#include "capsnet/train/json_input.h"
+#include "apps/experiments/multimnist.h"
 #include "apps/runtime.h"
 #include "capsnet/viz/png.h"
 #include "apps/cli/commands.h"
@@ -28,12 +29,12 @@ constexpr const char* kOverlapDefinition =
     "over_smaller = |A∩B|/min(|A|,|B|); mean over the evaluated test pairs";
 
 struct Flags {
-  train::MultiMnistTrainOptions o;
+  experiments::MultiMnistTrainOptions o;
   DataFlags data;
   std::string checkpoint;
   uint64_t test_seed = 1001;
   bool eval_only = false;
-  std::string model = "capsnet";  // capsnet | cnn (train::parse_multimnist_model)
+  std::string model = "capsnet";  // capsnet | cnn (experiments::parse_multimnist_model)
   std::string overlay = "add";  // add | max (data::parse_overlay)
   bool overlay_given = false;   // --overlay on the command line (else --eval-only takes the checkpoint's)
   int64_t figure_correct = 9, figure_wrong = 3, figure_columns = 3;
@@ -50,21 +51,21 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
   gen_options.overlay = data::parse_overlay(f->overlay);
   models::CapsNet model{nullptr};  // one of the two is set: the model trained or loaded
   models::BaselineCnn cnn{nullptr};
-  std::optional<train::MultiMnistTrainResult> trained;
+  std::optional<experiments::MultiMnistTrainResult> trained;
   nlohmann::json summary = {{"task", "multimnist"}, {"test_seed", f->test_seed}};
-  std::optional<train::MultiMnistEval> eval;
+  std::optional<experiments::MultiMnistEval> eval;
   const int64_t canvas = 28 + 2 * gen_options.pad;
   if (f->eval_only) {
     const std::string path = f->checkpoint.empty() ? train::checkpoint_path(o.out_dir) : f->checkpoint;
     auto meta = train::read_checkpoint_meta(path);
     int64_t channels = 0, size = 0;
     if (meta.train_options.value("task", std::string()) == "multimnist-cnn") {
-      o.which = train::MultiMnistModel::kCnn;
+      o.which = experiments::MultiMnistModel::kCnn;
       cnn = models::BaselineCnn(models::BaselineCnnConfig::from_json(meta.model_config));
       train::load_checkpoint(path, *cnn, nullptr, [&](const nlohmann::json& saved) { return saved == meta.model_config; });
       channels = cnn->config.image_channels, size = cnn->config.image_size;
     } else {
-      o.which = train::MultiMnistModel::kCapsNet;
+      o.which = experiments::MultiMnistModel::kCapsNet;
       model = train::load_model(path);
       channels = model->config.image_channels, size = model->config.image_size;
     }
@@ -81,22 +82,22 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
     summary["images_seen"] = meta.step * batch;
     summary["train_seed"] = meta.train_options.value("seed", uint64_t{0});
     // Test on pairs made like the training pairs unless --overlay asks for the other overlay.
-    if (!f->overlay_given) gen_options.overlay = train::saved_overlay(meta.train_options);
+    if (!f->overlay_given) gen_options.overlay = experiments::saved_overlay(meta.train_options);
     std::cout << fmt::format("loaded {} (step {}, {} training pairs seen)\n", path, meta.step, meta.step * batch);
   }
-  const bool is_cnn = o.which == train::MultiMnistModel::kCnn;
+  const bool is_cnn = o.which == experiments::MultiMnistModel::kCnn;
   // The test pairs through whichever model this run has.
   auto evaluate = [&](const data::MultiMnist& pairs) {
     std::ostream* progress = o.progress ? &std::cerr : nullptr;
-    return is_cnn ? train::evaluate_multimnist(cnn, pairs, o.test_size, o.eval_batch_size, progress)
-                  : train::evaluate_multimnist(model, pairs, o.test_size, o.eval_batch_size, progress);
+    return is_cnn ? experiments::evaluate_multimnist(cnn, pairs, o.test_size, o.eval_batch_size, progress)
+                  : experiments::evaluate_multimnist(model, pairs, o.test_size, o.eval_batch_size, progress);
   };
 
   auto test_set = data::load_mnist(f->data.resolved(), data::Split::kTest);
   data::MultiMnist test_pairs(std::move(test_set), f->test_seed, gen_options);
   if (!f->eval_only) {
     data::MultiMnist train_pairs(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.seed, gen_options);
-    trained = train::train_multimnist(o, train_pairs, &test_pairs, std::cout, group);
+    trained = experiments::train_multimnist(o, train_pairs, &test_pairs, std::cout, group);
     if (group && group->rank() != 0) return 0;  // rank 0 reports
     if (is_cnn) {
       cnn = models::BaselineCnn(o.cnn);
@@ -121,7 +122,7 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
   }
   const auto& r = *eval;
   summary["overlay"] = data::overlay_name(gen_options.overlay);
-  summary["model_kind"] = train::multimnist_model_name(o.which);
+  summary["model_kind"] = experiments::multimnist_model_name(o.which);
   summary["model"] = is_cnn ? cnn->config.to_json() : model->config.to_json();
   summary["parameters"] = is_cnn ? models::count_parameters(*cnn) : models::count_parameters(*model);
   summary["test_examples"] = r.examples;
@@ -149,7 +150,7 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
     if (is_cnn) {
       std::cerr << "no figure: the CNN has no reconstructions\n";
     } else if (model->config.reconstruction) {
-      auto figure = train::multimnist_figure(model, test_pairs, f->figure_correct, f->figure_wrong, f->figure_columns);
+      auto figure = experiments::multimnist_figure(model, test_pairs, f->figure_correct, f->figure_wrong, f->figure_columns);
       const std::string png = o.out_dir + "/multimnist.png";
       viz::write_png_gray(png, figure);
       summary["figure"] = png;
@@ -160,7 +161,7 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
   }
   summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
   const std::string json_path = o.out_dir + "/multimnist.json";
-  write_text_file(json_path, summary.dump(2) + "\n");
+  write_text_file(json_path, train::dump_json(summary, 2) + "\n");
   std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
   return 0;
 }
@@ -241,7 +242,7 @@ Subcommand add_multimnist(CLI::App& root) {
         o.resume = f->loop.resume;
         if (app->get_option("--model")->count() > 0 && f->eval_only)
           throw std::invalid_argument("--model is not read with --eval-only (the checkpoint says which model it is)");
-        o.which = train::parse_multimnist_model(f->model);
+        o.which = experiments::parse_multimnist_model(f->model);
         if (!f->checkpoint.empty() && !f->eval_only)
           throw std::invalid_argument("--checkpoint is only read with --eval-only (training continues with --resume)");
         if (f->eval_only) {

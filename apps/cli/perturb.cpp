@@ -12,6 +12,7 @@
 #include "capsnet/data/mnist.h"
 #include "capsnet/data/transforms.h"
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/json_input.h"
 #include "apps/runtime.h"
 #include "capsnet/viz/perturbation.h"
 #include "capsnet/viz/png.h"
@@ -95,7 +96,7 @@ Subcommand add_perturb(CLI::App& root) {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             if (f->threads > 0) set_threads(f->threads);
             auto model = train::load_model(f->checkpoint);
-            model->set_precision(nn::parse_precision(f->precision));
+            model->set_precision(parse_precision(f->precision));
             if (!model->config.reconstruction)
               throw std::invalid_argument(f->checkpoint +
                                           ": this checkpoint has no decoder; train without --no-reconstruction");
@@ -153,7 +154,7 @@ Subcommand add_perturb(CLI::App& root) {
                   figure.size(0), top);
             }
             const auto json_path = (std::filesystem::path(f->out) / "perturb.json").string();
-            write_text_file(json_path, report.dump(1) + "\n");
+            write_text_file(json_path, train::dump_json(report, 1) + "\n");
             std::cout << fmt::format("wrote {} ({} digits, offsets {} .. {})\n", json_path, indices.size(),
                                      options.offsets.front(), options.offsets.back());
             return 0;

@@ -14,6 +14,7 @@
 #include "capsnet/data/transforms.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/export.h"
+#include "capsnet/train/json_input.h"
 #include "apps/runtime.h"
 #include "apps/cli/commands.h"
 
@@ -65,7 +66,7 @@ struct Classifier {
   std::function<std::pair<torch::Tensor, torch::Tensor>(const torch::Tensor&)> forward;
 };
 
-Classifier load_classifier(const std::string& path, nn::Precision precision) {
+Classifier load_classifier(const std::string& path, Precision precision) {
   Classifier c;
   if (train::stored_model(path) == train::kMatrixCapsNetModel) {
     auto model = train::load_matrix_model(path);
@@ -120,7 +121,7 @@ class PredictionWriter {
     if (format_ == "jsonl") {
       nlohmann::json j{{"input", input}, {"class", name}, {"prediction", p}, {score_, sv[p]}, {score_ + "s", sv}};
       if (pose_) j["pose"] = pv;
-      out_ << j.dump() << '\n';
+      out_ << train::dump_json(j) << '\n';
     } else if (format_ == "csv") {
       out_ << csv_field(input) << ',' << csv_field(name) << ',' << p << ',' << fmt::format("{:.6g}", sv[p]);
       for (double v : sv) out_ << fmt::format(",{:.6g}", v);
@@ -193,7 +194,7 @@ Subcommand add_predict(CLI::App& root) {
               check_not_an_input(f->output, inputs);
             }
             if (f->threads > 0) set_threads(f->threads);
-            auto model = load_classifier(f->checkpoint, nn::parse_precision(f->precision));
+            auto model = load_classifier(f->checkpoint, parse_precision(f->precision));
             const auto spec = train::read_input_spec(f->checkpoint);
             const auto fit = data::parse_fit(f->fit.empty() ? spec.image_fit : f->fit);
             const int64_t side = model.side, channels = model.channels;

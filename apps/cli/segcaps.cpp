@@ -1,5 +1,5 @@
 // capsnet segcaps: train and evaluate a SegCaps-style capsule segmentation model on cluttered MNIST digits.
-#include "capsnet/train/segcaps.h"
+#include "apps/experiments/segcaps.h"
 
 #include <fmt/format.h>
 
@@ -17,6 +17,7 @@
 #include "capsnet/data/mnist.h"
 #include "capsnet/data/segmentation.h"
 #include "capsnet/train/distributed.h"
+#include "capsnet/train/json_input.h"
 #include "apps/runtime.h"
 #include "capsnet/viz/png.h"
 #include "apps/cli/commands.h"
@@ -44,7 +45,7 @@ std::optional<double> parse_pos_weight(const std::string& text) {
 
 Subcommand add_segcaps(CLI::App& root) {
   struct Flags {
-    train::SegCapsTrainOptions o;
+    experiments::SegCapsTrainOptions o;
     data::DigitSegmentationOptions d;
     DataFlags data;
     uint64_t test_seed = 1001;
@@ -163,7 +164,7 @@ Subcommand add_segcaps(CLI::App& root) {
                                            f->d);
 
           auto baseline =
-              train::threshold_baseline(train_set, std::min<int64_t>(1000, o.test_size * 2), test_set, o.test_size);
+              experiments::threshold_baseline(train_set, std::min<int64_t>(1000, o.test_size * 2), test_set, o.test_size);
           std::cout
               << fmt::format(
                      "thresholding baseline (input > t): test Dice {:.4f} at t = {:.2f} (tuned on training images), "
@@ -171,7 +172,7 @@ Subcommand add_segcaps(CLI::App& root) {
                      baseline.test_dice_at_best, baseline.best_threshold, baseline.test_dice_at_half)
               << std::flush;
 
-          auto result = train::train_segcaps(o, train_set, test_set, std::cout, group);
+          auto result = experiments::train_segcaps(o, train_set, test_set, std::cout, group);
           if (group && group->rank() != 0) return 0;  // rank 0 reports
           auto& model = result.model;
           std::cout << fmt::format(
@@ -189,7 +190,7 @@ Subcommand add_segcaps(CLI::App& root) {
                  return n;
                }()},
               {"routing", f->composite_routing ? "composite" : "fused"},
-              {"precision", nn::precision_name(o.loop_options().precision)},
+              {"precision", precision_name(o.loop_options().precision)},
               {"pos_weight", f->pos_weight},
               {"recon_weight", o.model.recon_weight},
               {"data",
@@ -224,7 +225,7 @@ Subcommand add_segcaps(CLI::App& root) {
               {"model_file", train::checkpoint_path(o.out_dir)}};
 
           if (f->figure_rows > 0) {
-            auto figure = train::segcaps_figure(model, test_set, 0, f->figure_rows, o.threshold);
+            auto figure = experiments::segcaps_figure(model, test_set, 0, f->figure_rows, o.threshold);
             const std::string png = o.out_dir + "/segcaps.png";
             viz::write_png_gray(png, figure);
             summary["figure"] = png;
@@ -233,7 +234,7 @@ Subcommand add_segcaps(CLI::App& root) {
           }
           summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
           const std::string json_path = o.out_dir + "/segcaps.json";
-          write_text_file(json_path, summary.dump(2) + "\n");
+          write_text_file(json_path, train::dump_json(summary, 2) + "\n");
           std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
           return 0;
         });

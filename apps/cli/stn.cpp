@@ -14,8 +14,9 @@
 #include "capsnet/data/distorted.h"
 #include "capsnet/data/mnist.h"
 #include "capsnet/data/transforms.h"
-#include "capsnet/nn/precision.h"
-#include "capsnet/train/classifier_task.h"
+#include "capsnet/kernels/precision.h"
+#include "capsnet/train/json_input.h"
+#include "apps/experiments/classifier_task.h"
 #include "capsnet/train/metrics.h"
 #include "apps/runtime.h"
 #include "capsnet/viz/figures.h"
@@ -47,24 +48,24 @@ struct RunSpec {
   std::string name() const { return model + (stn ? "+stn" : ""); }
 };
 
-train::Classifier make_classifier(const RunSpec& spec, const Flags& f, nn::Precision precision) {
+experiments::Classifier make_classifier(const RunSpec& spec, const Flags& f, Precision precision) {
   if (spec.model == "capsnet") {
     models::CapsNetConfig c;
     c.image_size = kCanvas;  // primary grid 13x13
     if (f.small) c.conv1_channels = 64, c.primary_types = 16;
     c.stn = spec.stn;
-    return train::capsnet_classifier(spec.name(), c, precision);
+    return experiments::capsnet_classifier(spec.name(), c, precision);
   }
   models::BaselineCnnConfig c;
   c.image_size = kCanvas;
   if (f.small) c.conv1_channels = 64, c.conv2_channels = 64, c.conv3_channels = 32;
   c.stn = spec.stn;
-  return train::cnn_classifier(spec.name(), c, precision);
+  return experiments::cnn_classifier(spec.name(), c, precision);
 }
 
 /// Per-run summary of the learnt transforms on the test images: mean |theta - identity| (all six
 /// entries) and the mean determinant of theta's linear part (< 1: the STN zooms in).
-nlohmann::json theta_stats(train::Classifier& r, const data::ImageSet& set, int64_t batch_size) {
+nlohmann::json theta_stats(experiments::Classifier& r, const data::ImageSet& set, int64_t batch_size) {
   torch::NoGradGuard no_grad;
   r.module->eval();
   double dev = 0, det = 0;
@@ -81,7 +82,7 @@ nlohmann::json theta_stats(train::Classifier& r, const data::ImageSet& set, int6
 
 /// Rows of (input | STN output) pairs of the first `count` test images, 6 pairs per row; one block per
 /// STN run, top to bottom in run order, separated by a blank row.
-torch::Tensor transforms_figure(std::vector<train::Classifier*>& runs, const data::ImageSet& set, int64_t count) {
+torch::Tensor transforms_figure(std::vector<experiments::Classifier*>& runs, const data::ImageSet& set, int64_t count) {
   torch::NoGradGuard no_grad;
   constexpr int64_t kPairs = 6;
   count = std::min(count, set.size());
@@ -114,7 +115,7 @@ std::vector<RunSpec> grid(const Flags& f) {
 
 int run(const Flags& f) {
   if (f.threads > 0) set_threads(f.threads);
-  const auto precision = nn::parse_precision(f.precision);
+  const auto precision = parse_precision(f.precision);
   note_precision_choice(f.precision);
   if (f.steps <= 0) throw std::invalid_argument(fmt::format("--steps must be positive, got {}", f.steps));
   if (f.batch_size <= 0) throw std::invalid_argument(fmt::format("--batch-size must be positive, got {}", f.batch_size));
@@ -141,7 +142,7 @@ int run(const Flags& f) {
                             {"stn", f.stn},
                             {"steps", f.steps},
                             {"batch_size", f.batch_size},
-                            {"precision", nn::precision_name(precision)},
+                            {"precision", precision_name(precision)},
                             {"lr", f.lr},
                             {"seed", f.seed},
                             {"test_seed", f.test_seed},
@@ -152,12 +153,12 @@ int run(const Flags& f) {
                             {"canvas", kCanvas}};
   metrics.write({{"event", "start"}, {"options", options}});
 
-  std::vector<std::unique_ptr<train::ClassifierTask>> tasks;
+  std::vector<std::unique_ptr<experiments::ClassifierTask>> tasks;
   nlohmann::json results = nlohmann::json::array();
   for (const auto& spec : specs) {
     // Every run sees the same training stream: step s is examples s*B .. s*B + B - 1 of (seed, n).
-    tasks.push_back(std::make_unique<train::ClassifierTask>(
-        [&f, spec](nn::Precision p) { return make_classifier(spec, f, p); }, train_set.size(), /*shuffle=*/false,
+    tasks.push_back(std::make_unique<experiments::ClassifierTask>(
+        [&f, spec](Precision p) { return make_classifier(spec, f, p); }, train_set.size(), /*shuffle=*/false,
         [&](const torch::Tensor& ids, at::Generator&) {
           auto b = data::distorted_batch(train_set, f.seed, ids[0].item<int64_t>(), ids.size(0), kCanvas, ranges);
           return std::make_pair(b.images, b.labels);  // [B, 1, 42, 42], [B]
@@ -165,7 +166,7 @@ int run(const Flags& f) {
         nlohmann::json{{"train_examples", train_set.size()}, {"canvas", kCanvas}}));
     auto& task = *tasks.back();
     const auto run_dir = f.out_dir + "/" + spec.name();
-    auto o = train::comparison_options(run_dir, f.steps, f.batch_size, f.lr, f.seed, f.log_every, !f.no_progress);
+    auto o = experiments::comparison_options(run_dir, f.steps, f.batch_size, f.lr, f.seed, f.log_every, !f.no_progress);
     o.precision = precision;
     const auto trained = train::run(task, o, std::cerr);
     auto& r = task.classifier();
@@ -173,7 +174,7 @@ int run(const Flags& f) {
     metrics.write({{"event", "model"}, {"model", r.name}, {"parameters", parameters}, {"config", r.config},
                    {"run", run_dir}});
     const auto t_eval = Clock::now();
-    const double acc = train::classifier_accuracy(r, test_set, f.eval_batch_size, f.no_progress ? nullptr : &std::cerr,
+    const double acc = experiments::classifier_accuracy(r, test_set, f.eval_batch_size, f.no_progress ? nullptr : &std::cerr,
                                                   "distorted test");
     const double eval_seconds = train::seconds_since(t_eval);
     metrics.write({{"event", "eval"}, {"model", r.name}, {"split", "distorted_mnist"}, {"accuracy", acc},
@@ -187,8 +188,8 @@ int run(const Flags& f) {
                           {"training_images_seen", trained.images},
                           {"train_seconds", trained.seconds},
                           {"train_images_per_second", trained.images_per_second},
-                          {"final_train_loss", train::tail_mean(trained.losses)},
-                          {"final_train_accuracy", train::tail_mean(trained.accuracies)},
+                          {"final_train_loss", experiments::tail_mean(trained.losses)},
+                          {"final_train_accuracy", experiments::tail_mean(trained.accuracies)},
                           {"test_accuracy", acc},
                           {"test_error", 1 - acc},
                           {"eval_seconds", eval_seconds},
@@ -198,7 +199,7 @@ int run(const Flags& f) {
   }
   metrics.write({{"event", "end"}});
 
-  std::vector<train::Classifier*> stn_runs;
+  std::vector<experiments::Classifier*> stn_runs;
   for (auto& t : tasks)
     if (t->classifier().transformer) stn_runs.push_back(&t->classifier());
   std::string figure_path;
@@ -224,7 +225,7 @@ int run(const Flags& f) {
       {"paper", {{"note", "Jaderberg et al. report 0.5-0.8% error on RTS MNIST after full training; "
                           "our budget is far smaller and the data is our own generator: not comparable"}}},
       {"figure", figure_path}};
-  write_text_file(f.out_dir + "/stn.json", report.dump(2) + "\n");
+  write_text_file(f.out_dir + "/stn.json", train::dump_json(report, 2) + "\n");
 
   std::string table = fmt::format(
       "Distorted MNIST (rotation ±45°, scale 0.7–1.2, translation in 42×42; our generator), {} steps × batch {} "

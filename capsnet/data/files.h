@@ -3,6 +3,7 @@
 // /dev/zero never ends, so only regular files (after symlinks) are read.
 
 #include <string>
+#include <string_view>
 
 namespace capsnet::data {
 
@@ -19,5 +20,10 @@ std::string unwritable_reason(const std::string& path);
 /// True when `path` exists and is not a regular file (after symlinks): a writer that replaces files
 /// (write to a temporary, rename over) must refuse it, or it would replace a device node or FIFO.
 bool exists_but_not_regular(const std::string& path);
+
+/// `text` with every byte that is not part of valid UTF-8 written as the four characters \xNN (a backslash,
+/// x and two upper-case hex digits); `text` itself when it is valid. JSON holds UTF-8 only: this is how
+/// file, folder and class names that are not UTF-8 are written into it.
+std::string escape_invalid_utf8(std::string_view text);
 
 }  // namespace capsnet::data

@@ -10,6 +10,8 @@
 #include <map>
 #include <optional>
 
+#include "capsnet/data/files.h"
+
 namespace capsnet::data {
 namespace fs = std::filesystem;
 namespace {
@@ -49,7 +51,7 @@ Tree scan(const fs::path& root) {
         ++t.ignored;
     }
     std::sort(files.begin(), files.end());
-    t.names.push_back(dir.filename().string());
+    t.names.push_back(escape_invalid_utf8(dir.filename().string()));  // a label, written to JSON
     t.files.push_back(std::move(files));
   }
   return t;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "capsnet/kernels/conv_dispatch.h"
 #include "capsnet/models/config_io.h"
 
 namespace capsnet::models {
@@ -87,15 +88,15 @@ torch::Tensor BaselineCnnImpl::forward(const torch::Tensor& images) {
               config.image_size, "], got ", images.sizes());
   const auto p = precision_;
   auto x = stn ? stn(images) : images;                    // [B, C, S, S]
-  x = torch::relu(nn::conv2d_at(conv1, x, p));            // [B, 256, S, S], compute dtype
+  x = torch::relu(kernels::conv2d_at(conv1, x, p));            // [B, 256, S, S], compute dtype
   if (config.pooling) x = torch::max_pool2d(x, 2);        // [B, 256, S/2, S/2]
-  x = torch::relu(nn::conv2d_at(conv2, x, p));
+  x = torch::relu(kernels::conv2d_at(conv2, x, p));
   if (config.pooling) x = torch::max_pool2d(x, 2);        // [B, 256, S/4, S/4]
-  x = torch::relu(nn::conv2d_at(conv3, x, p)).flatten(1);  // [B, 128 * F * F]
-  x = drop(torch::relu(nn::linear_at(fc1, x, p)));        // [B, 328]
-  x = drop(torch::relu(nn::linear_at(fc2, x, p)));        // [B, 192]
+  x = torch::relu(kernels::conv2d_at(conv3, x, p)).flatten(1);  // [B, 128 * F * F]
+  x = drop(torch::relu(kernels::linear_at(fc1, x, p)));        // [B, 328]
+  x = drop(torch::relu(kernels::linear_at(fc2, x, p)));        // [B, 192]
   // The softmax inside the loss reduces over classes: logits go back to the input's dtype (fp32).
-  return nn::linear_at(out, x, p).to(images.scalar_type());  // logits: [B, K]
+  return kernels::linear_at(out, x, p).to(images.scalar_type());  // logits: [B, K]
 }
 
 torch::Tensor BaselineCnnImpl::loss(const torch::Tensor& logits, const torch::Tensor& labels) const {

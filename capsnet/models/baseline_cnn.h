@@ -22,7 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "capsnet/nn/precision.h"
+#include "capsnet/kernels/precision.h"
 #include "capsnet/nn/spatial_transformer.h"
 
 namespace capsnet::models {
@@ -83,11 +83,11 @@ class BaselineCnnImpl : public torch::nn::Cloneable<BaselineCnnImpl> {
   /// Mean cross-entropy of softmax(logits) against labels. logits: [B, K]; labels: [B] int64 in [0, K).
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& labels) const;
 
-  /// Compute precision of the convolutions and fully connected layers (nn/precision.h); weights stay
+  /// Compute precision of the convolutions and fully connected layers (kernels/conv_dispatch.h); weights stay
   /// fp32 and the spatial transformer, when there is one, computes in fp32. Not part of the config:
   /// checkpoints load under either precision.
-  void set_precision(nn::Precision precision) { precision_ = precision; }
-  nn::Precision precision() const { return precision_; }
+  void set_precision(Precision precision) { precision_ = precision; }
+  Precision precision() const { return precision_; }
 
   BaselineCnnConfig config;
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
@@ -96,7 +96,7 @@ class BaselineCnnImpl : public torch::nn::Cloneable<BaselineCnnImpl> {
   nn::SpatialTransformer stn{nullptr};  // only with config.stn
 
  private:
-  nn::Precision precision_ = nn::Precision::kFloat32;
+  Precision precision_ = Precision::kFloat32;
 };
 TORCH_MODULE(BaselineCnn);
 

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "capsnet/kernels/conv_dispatch.h"
 #include "capsnet/models/config_io.h"
 
 namespace capsnet::models {
@@ -100,12 +101,12 @@ CapsNetOutput CapsNetImpl::forward(const torch::Tensor& images, const std::optio
   // The decoder still reconstructs (and the loss compares with) the untransformed input.
   const auto x = stn ? stn(images) : images;      // [B, C, S, S]
   // conv1 -> ReLU -> PrimaryCaps conv run in the compute precision; u is fp32. Without autograd the
-  // three stay in oneDNN's blocked layout with weights reordered once (nn/blocked_conv.h). The ReLU is
-  // PrimaryCaps' (relu_input): fused into its convolution where that can (nn/precision.h). Its inference
+  // three stay in oneDNN's blocked layout with weights reordered once (kernels/blocked_conv.h). The ReLU is
+  // PrimaryCaps' (relu_input): fused into its convolution where that can (kernels/conv_dispatch.h). Its inference
   // caches (the spectral form's weight spectrum after each weight update) are made before Conv1's output
   // exists, and that output is handed over, not held here.
   primary_caps->prepare({x.size(0), config.conv1_channels, config.conv1_grid(), config.conv1_grid()}, precision_);
-  auto u = primary_caps(nn::conv2d_at(conv1, x, precision_, &conv1_blocked_), precision_, /*relu_input=*/true);  // [B, I, 8]
+  auto u = primary_caps(kernels::conv2d_at(conv1, x, precision_, &conv1_blocked_), precision_, /*relu_input=*/true);  // [B, I, 8]
   out.digit_caps = digit_caps(u);                      // [B, K, 16]
   out.lengths = capsule_length(out.digit_caps);        // [B, K]
   if (decoder) {

@@ -89,8 +89,8 @@ class CapsNetImpl : public torch::nn::Cloneable<CapsNetImpl> {
   /// Routes with the fused operator (default) or the composite reference-style path; same math.
   void set_fused_routing(bool fused) { digit_caps->options.routing().fused = fused; }
   /// Precision of the convolutions and the decoder (runtime only: weights and checkpoints stay fp32).
-  void set_precision(nn::Precision precision) { precision_ = precision; }
-  nn::Precision precision() const { return precision_; }
+  void set_precision(Precision precision) { precision_ = precision; }
+  Precision precision() const { return precision_; }
   /// margin loss + reconstruction_scale * SSE (paper Sec. 4.1).
   CapsNetLoss loss(const CapsNetOutput& out, const torch::Tensor& images, const torch::Tensor& labels) const;
 
@@ -102,8 +102,8 @@ class CapsNetImpl : public torch::nn::Cloneable<CapsNetImpl> {
   nn::SpatialTransformer stn{nullptr};  // only with config.stn
 
  private:
-  nn::Precision precision_ = nn::Precision::kFloat32;
-  nn::BlockedConvWeights conv1_blocked_;  // conv1's weights in oneDNN's layout, for inference
+  Precision precision_ = Precision::kFloat32;
+  kernels::BlockedConvWeights conv1_blocked_;  // conv1's weights in oneDNN's layout, for inference
 };
 TORCH_MODULE(CapsNet);
 

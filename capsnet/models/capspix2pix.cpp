@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 
+#include "capsnet/kernels/conv_dispatch.h"
 #include "capsnet/models/config_io.h"
 
 namespace capsnet::models {
@@ -19,17 +20,17 @@ torch::nn::BatchNorm2d batch_norm(int64_t channels) {
 
 // A convolution in `precision` with its output back in the master dtype: what every layer here does
 // (BatchNorm, the activations and the losses stay fp32).
-torch::Tensor conv_at(torch::nn::Conv2d& conv, const torch::Tensor& x, nn::Precision precision) {
-  return nn::conv2d_at(conv, x, precision).to(conv->weight.scalar_type());
+torch::Tensor conv_at(torch::nn::Conv2d& conv, const torch::Tensor& x, Precision precision) {
+  return kernels::conv2d_at(conv, x, precision).to(conv->weight.scalar_type());
 }
 
-// The same for a transposed convolution (dilation 1 here), whose bf16 path is nn::conv_transpose2d_at's.
-torch::Tensor conv_at(torch::nn::ConvTranspose2d& deconv, const torch::Tensor& x, nn::Precision precision) {
-  if (precision == nn::Precision::kFloat32) return deconv->forward(x);
+// The same for a transposed convolution (dilation 1 here), whose bf16 path is kernels::conv_transpose2d_at's.
+torch::Tensor conv_at(torch::nn::ConvTranspose2d& deconv, const torch::Tensor& x, Precision precision) {
+  if (precision == Precision::kFloat32) return deconv->forward(x);
   const auto& o = deconv->options;
-  const auto padding = nn::numeric_padding(o, "conv_at");
+  const auto padding = kernels::numeric_padding(o, "conv_at");
   TORCH_CHECK(o.dilation()->at(0) == 1 && o.dilation()->at(1) == 1, "conv_at: transposed convolutions take dilation 1");
-  return nn::conv_transpose2d_at(x, deconv->weight, deconv->bias, o.stride(), padding, o.output_padding(), o.groups(),
+  return kernels::conv_transpose2d_at(x, deconv->weight, deconv->bias, o.stride(), padding, o.output_padding(), o.groups(),
                                  precision);
 }
 
@@ -230,7 +231,7 @@ void Pix2pixImpl::reset() {
   set_precision(precision_);  // networks built anew (reset() again, clone()) compute as the pair does
 }
 
-void Pix2pixImpl::set_precision(nn::Precision precision) {
+void Pix2pixImpl::set_precision(Precision precision) {
   precision_ = precision;
   if (caps) caps->set_precision(precision);
   if (cnn) cnn->set_precision(precision);

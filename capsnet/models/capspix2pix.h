@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "capsnet/nn/capsule_conv.h"
-#include "capsnet/nn/precision.h"
+#include "capsnet/kernels/precision.h"
 
 namespace capsnet::models {
 
@@ -101,7 +101,7 @@ class CapsGeneratorImpl : public torch::nn::Cloneable<CapsGeneratorImpl> {
   /// Fused routing operator (default) or the composite ATen path in every capsule layer.
   void set_fused_routing(bool fused);
   /// Precision of the convolutions (runtime only; see the file comment).
-  void set_precision(nn::Precision precision) { precision_ = precision; }
+  void set_precision(Precision precision) { precision_ = precision; }
 
   Pix2pixConfig config;
   torch::nn::Conv2d stem{nullptr}, to_image{nullptr};
@@ -109,7 +109,7 @@ class CapsGeneratorImpl : public torch::nn::Cloneable<CapsGeneratorImpl> {
   nn::CapsuleConvTranspose2d up1{nullptr}, up2{nullptr};
 
  private:
-  nn::Precision precision_ = nn::Precision::kFloat32;
+  Precision precision_ = Precision::kFloat32;
 };
 TORCH_MODULE(CapsGenerator);
 
@@ -120,7 +120,7 @@ class UnetGeneratorImpl : public torch::nn::Cloneable<UnetGeneratorImpl> {
   void reset() override;
   torch::Tensor forward(const torch::Tensor& labels, const torch::Tensor& z);
   /// Precision of the convolutions (runtime only; see the file comment).
-  void set_precision(nn::Precision precision) { precision_ = precision; }
+  void set_precision(Precision precision) { precision_ = precision; }
 
   Pix2pixConfig config;
   torch::nn::Conv2d e1{nullptr}, e2{nullptr}, e3{nullptr}, e4{nullptr};
@@ -128,7 +128,7 @@ class UnetGeneratorImpl : public torch::nn::Cloneable<UnetGeneratorImpl> {
   torch::nn::BatchNorm2d n2{nullptr}, n3{nullptr}, m4{nullptr}, m3{nullptr}, m2{nullptr};
 
  private:
-  nn::Precision precision_ = nn::Precision::kFloat32;
+  Precision precision_ = Precision::kFloat32;
 };
 TORCH_MODULE(UnetGenerator);
 
@@ -139,14 +139,14 @@ class PatchDiscriminatorImpl : public torch::nn::Cloneable<PatchDiscriminatorImp
   void reset() override;
   torch::Tensor forward(const torch::Tensor& labels, const torch::Tensor& image);
   /// Precision of the convolutions (runtime only; see the file comment).
-  void set_precision(nn::Precision precision) { precision_ = precision; }
+  void set_precision(Precision precision) { precision_ = precision; }
 
   Pix2pixConfig config;
   torch::nn::Conv2d c1{nullptr}, c2{nullptr}, c3{nullptr};
   torch::nn::BatchNorm2d n2{nullptr};
 
  private:
-  nn::Precision precision_ = nn::Precision::kFloat32;
+  Precision precision_ = Precision::kFloat32;
 };
 TORCH_MODULE(PatchDiscriminator);
 
@@ -172,8 +172,8 @@ class Pix2pixImpl : public torch::nn::Cloneable<Pix2pixImpl> {
   /// The generator's losses for `fake` = generate(labels, z) (gradients reach G through D).
   Pix2pixLosses generator_losses(const torch::Tensor& labels, const torch::Tensor& real, const torch::Tensor& fake);
   /// Precision of the convolutions of both networks (runtime only: weights and checkpoints stay fp32).
-  void set_precision(nn::Precision precision);
-  nn::Precision precision() const { return precision_; }
+  void set_precision(Precision precision);
+  Precision precision() const { return precision_; }
 
   Pix2pixConfig config;
   CapsGenerator caps{nullptr};  // set when config.generator == "caps"
@@ -181,7 +181,7 @@ class Pix2pixImpl : public torch::nn::Cloneable<Pix2pixImpl> {
   PatchDiscriminator discriminator{nullptr};
 
  private:
-  nn::Precision precision_ = nn::Precision::kFloat32;
+  Precision precision_ = Precision::kFloat32;
 };
 TORCH_MODULE(Pix2pix);
 

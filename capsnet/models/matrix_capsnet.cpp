@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 
+#include "capsnet/kernels/conv_dispatch.h"
 #include "capsnet/models/config_io.h"
 
 namespace capsnet::models {
@@ -124,7 +125,7 @@ MatrixCapsNetOutput MatrixCapsNetImpl::forward(const torch::Tensor& images) {
     throw std::invalid_argument(fmt::format("MatrixCapsNet: images must be [N, {}, {}, {}]", config.image_channels,
                                             config.image_size, config.image_size));
   // Conv1 and PrimaryCaps' convolutions in the compute precision; PrimaryCaps hands back fp32 capsules.
-  auto x = torch::relu(nn::conv2d_at(conv1, images, precision_).to(conv1->weight.scalar_type()));  // [N, A, S1, S1]
+  auto x = torch::relu(kernels::conv2d_at(conv1, images, precision_).to(conv1->weight.scalar_type()));  // [N, A, S1, S1]
   auto caps = primary->forward(x, precision_);  // [N, S1, S1, B, 16]
   caps = conv_caps1->forward(caps);              // [N, S2, S2, C, 16]
   caps = conv_caps2->forward(caps);              // [N, S3, S3, D, 16]

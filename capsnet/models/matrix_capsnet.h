@@ -12,7 +12,7 @@
 
 #include "capsnet/nn/em_routing.h"
 #include "capsnet/nn/matrix_caps.h"
-#include "capsnet/nn/precision.h"
+#include "capsnet/kernels/precision.h"
 
 namespace capsnet::models {
 
@@ -112,8 +112,8 @@ class MatrixCapsNetImpl : public torch::nn::Cloneable<MatrixCapsNetImpl> {
   MatrixCapsNetOutput forward(const torch::Tensor& images);
   /// Precision of the convolutions (Conv1 and PrimaryCaps' two); votes, EM routing and the spread loss
   /// stay fp32 whatever it is. Runtime only: weights and checkpoints stay fp32.
-  void set_precision(nn::Precision precision) { precision_ = precision; }
-  nn::Precision precision() const { return precision_; }
+  void set_precision(Precision precision) { precision_ = precision; }
+  Precision precision() const { return precision_; }
 
   MatrixCapsNetConfig config;
   torch::nn::Conv2d conv1{nullptr};
@@ -122,7 +122,7 @@ class MatrixCapsNetImpl : public torch::nn::Cloneable<MatrixCapsNetImpl> {
   nn::ClassMatrixCaps class_caps{nullptr};
 
  private:
-  nn::Precision precision_ = nn::Precision::kFloat32;
+  Precision precision_ = Precision::kFloat32;
 };
 TORCH_MODULE(MatrixCapsNet);
 

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "capsnet/kernels/conv_dispatch.h"
 #include "capsnet/models/config_io.h"
 #include "capsnet/nn/functional.h"
 
@@ -115,7 +116,7 @@ SegCapsOutput SegCapsImpl::forward(const torch::Tensor& images, const torch::Ten
                                             images.defined() ? c10::str(images.sizes()) : "undefined"));
   const int64_t B = images.size(0);
   const auto pr = precision_;  // of the convolutions; every layer hands back fp32
-  auto x = torch::relu(nn::conv2d_at(stem, images, pr).to(stem->weight.scalar_type()));  // [B, C, S, S]
+  auto x = torch::relu(kernels::conv2d_at(stem, images, pr).to(stem->weight.scalar_type()));  // [B, C, S, S]
   auto stem_caps = x.view({B, 1, config.stem_channels, S, S});     // [B, 1, C, S, S]
   auto p = primary->forward(stem_caps, pr);                        // [B, P, Ap, S/2, S/2]
   auto d1 = down1->forward(p, pr);                                 // [B, T, La, S/2, S/2]
@@ -149,7 +150,7 @@ torch::Tensor SegCapsImpl::decode(const torch::Tensor& capsules, const torch::Te
   for (auto& layer : *decoder) {
     if (auto impl = std::dynamic_pointer_cast<torch::nn::Conv2dImpl>(layer.ptr())) {
       torch::nn::Conv2d conv(impl);
-      h = nn::conv2d_at(conv, h, precision_).to(impl->weight.scalar_type());
+      h = kernels::conv2d_at(conv, h, precision_).to(impl->weight.scalar_type());
     } else {
       h = layer.forward(h);
     }

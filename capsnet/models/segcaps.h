@@ -22,7 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "capsnet/nn/capsule_conv.h"
-#include "capsnet/nn/precision.h"
+#include "capsnet/kernels/precision.h"
 
 namespace capsnet::models {
 
@@ -127,8 +127,8 @@ class SegCapsImpl : public torch::nn::Cloneable<SegCapsImpl> {
   /// Precision of the convolutions: the stem, every capsule layer's (transposed) convolution and the
   /// decoder's 1x1 convolutions. Routing, squash, capsule lengths and the losses stay fp32, each
   /// convolution's output going back to fp32 at once. Runtime only: weights and checkpoints stay fp32.
-  void set_precision(nn::Precision precision) { precision_ = precision; }
-  nn::Precision precision() const { return precision_; }
+  void set_precision(Precision precision) { precision_ = precision; }
+  Precision precision() const { return precision_; }
 
   SegCapsConfig config;
   torch::nn::Conv2d stem{nullptr};
@@ -137,7 +137,7 @@ class SegCapsImpl : public torch::nn::Cloneable<SegCapsImpl> {
   torch::nn::Sequential decoder{nullptr};  // registered only when recon_weight > 0
 
  private:
-  nn::Precision precision_ = nn::Precision::kFloat32;
+  Precision precision_ = Precision::kFloat32;
 };
 TORCH_MODULE(SegCaps);
 

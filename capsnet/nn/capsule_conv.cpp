@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "capsnet/kernels/conv_dispatch.h"
 #include "capsnet/ops/routing.h"
 
 namespace capsnet::nn {
@@ -96,7 +97,7 @@ torch::Tensor fast_predictions(const torch::Tensor& u, const torch::Tensor& weig
   } else {
     // conv_transpose2d wants [in_channels, out_channels / groups, k, k].
     auto w = weight.permute({0, 3, 1, 2, 4, 5}).reshape({groups * A_in, T_out * A_out, k, k});
-    y = conv_transpose2d_at(x, w, {}, g.stride, g.padding, g.output_padding, groups, precision);
+    y = kernels::conv_transpose2d_at(x, w, {}, g.stride, g.padding, g.output_padding, groups, precision);
   }
   auto u_hat = y.view({B, T_in, T_out, A_out, y.size(2), y.size(3)});
   if (bias.defined()) u_hat = u_hat + bias.view({1, 1, T_out, A_out, 1, 1});

@@ -20,7 +20,7 @@
 #include <torch/torch.h>
 
 #include "capsnet/nn/functional.h"
-#include "capsnet/nn/precision.h"
+#include "capsnet/kernels/precision.h"
 
 namespace capsnet::nn {
 

@@ -1,5 +1,7 @@
 #include "capsnet/nn/decoder.h"
 
+#include "capsnet/kernels/conv_dispatch.h"
+
 namespace capsnet::nn {
 
 DecoderImpl::DecoderImpl(const DecoderOptions& options_) : options(options_) { reset(); }
@@ -11,9 +13,9 @@ void DecoderImpl::reset() {
 }
 
 torch::Tensor DecoderImpl::forward(const torch::Tensor& masked, Precision precision) {
-  auto h = torch::relu(linear_at(fc1, masked, precision, cast1_));  // [B, hidden1]
-  h = torch::relu(linear_at(fc2, h, precision, cast2_));            // [B, hidden2]
-  auto logits = linear_at(fc3, h, precision, cast3_);               // [B, out]
+  auto h = torch::relu(kernels::linear_at(fc1, masked, precision, cast1_));  // [B, hidden1]
+  h = torch::relu(kernels::linear_at(fc2, h, precision, cast2_));            // [B, hidden2]
+  auto logits = kernels::linear_at(fc3, h, precision, cast3_);               // [B, out]
   if (precision != Precision::kFloat32) logits = logits.to(fc3->weight.scalar_type());
   return torch::sigmoid(logits);  // in the master dtype (fp32, or fp64 in gradchecks)
 }

@@ -1,8 +1,8 @@
 #pragma once
 #include <torch/torch.h>
 
-#include "capsnet/nn/cast_cache.h"
-#include "capsnet/nn/precision.h"
+#include "capsnet/kernels/cast_cache.h"
+#include "capsnet/kernels/precision.h"
 
 namespace capsnet::nn {
 
@@ -26,8 +26,8 @@ class DecoderImpl : public torch::nn::Cloneable<DecoderImpl> {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
 
  private:
-  // The three layers' bf16 weights, kept between inference calls (nn/cast_cache.h).
-  LinearCastCache cast1_, cast2_, cast3_;
+  // The three layers' bf16 weights, kept between inference calls (kernels/cast_cache.h).
+  kernels::LinearCastCache cast1_, cast2_, cast3_;
 };
 TORCH_MODULE(Decoder);
 

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "capsnet/kernels/conv_dispatch.h"
+
 namespace capsnet::nn {
 namespace {
 
@@ -80,11 +82,11 @@ MatrixCaps PrimaryMatrixCapsImpl::forward(const torch::Tensor& x, Precision prec
   const auto T = options.capsule_types();
   // Only the convolutions may run in bf16: their outputs go back to the master dtype at once.
   const auto master = pose->weight.scalar_type();
-  auto p = conv2d_at(pose, x, precision).to(master);  // [N, T * 16, H', W'], channel = type * 16 + element
+  auto p = kernels::conv2d_at(pose, x, precision).to(master);  // [N, T * 16, H', W'], channel = type * 16 + element
   const auto N = p.size(0), H = p.size(2), W = p.size(3);
   // Pose elements must go last before any flattening (a plain view would mix positions).
   auto poses = p.view({N, T, kPoseSize, H, W}).permute({0, 3, 4, 1, 2}).contiguous();  // [N, H', W', T, 16]
-  auto a = torch::sigmoid(conv2d_at(activation, x, precision).to(master));  // [N, T, H', W']
+  auto a = torch::sigmoid(kernels::conv2d_at(activation, x, precision).to(master));  // [N, T, H', W']
   auto acts = a.permute({0, 2, 3, 1}).contiguous();                            // [N, H', W', T]
   return {poses, acts};
 }

@@ -7,7 +7,7 @@
 #include <torch/torch.h>
 
 #include "capsnet/nn/em_routing.h"
-#include "capsnet/nn/precision.h"
+#include "capsnet/kernels/precision.h"
 
 namespace capsnet::nn {
 

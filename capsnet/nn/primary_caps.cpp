@@ -1,5 +1,6 @@
 #include "capsnet/nn/primary_caps.h"
 
+#include "capsnet/kernels/conv_dispatch.h"
 #include "capsnet/nn/functional.h"
 
 namespace capsnet::nn {
@@ -18,12 +19,12 @@ void PrimaryCapsImpl::reset() {
 }
 
 void PrimaryCapsImpl::prepare(torch::IntArrayRef x_sizes, Precision precision) {
-  prepare_conv2d_at(conv, x_sizes, precision, &blocked_conv);
+  kernels::prepare_conv2d_at(conv, x_sizes, precision, &blocked_conv);
 }
 
 torch::Tensor PrimaryCapsImpl::forward(torch::Tensor x, Precision precision, bool relu_input) {
   // The convolution may run in bf16; the capsules (and squash's norm) are fp32.
-  auto y = conv2d_at(conv, std::move(x), precision, &blocked_conv, relu_input);  // [B, types * dim, H', W']
+  auto y = kernels::conv2d_at(conv, std::move(x), precision, &blocked_conv, relu_input);  // [B, types * dim, H', W']
   if (y.is_mkldnn()) y = y.to_dense();                    // the capsules leave oneDNN's layout here
   if (precision != Precision::kFloat32) y = y.to(conv->weight.scalar_type());  // back to the master dtype
   const auto B = y.size(0), H = y.size(2), W = y.size(3);

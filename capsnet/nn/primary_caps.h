@@ -1,7 +1,7 @@
 #pragma once
 #include <torch/torch.h>
 
-#include "capsnet/nn/precision.h"
+#include "capsnet/kernels/conv_dispatch.h"
 
 namespace capsnet::nn {
 
@@ -23,17 +23,17 @@ class PrimaryCapsImpl : public torch::nn::Cloneable<PrimaryCapsImpl> {
   explicit PrimaryCapsImpl(const PrimaryCapsOptions& options);
   void reset() override;
   /// relu_input: squash(conv(relu(x))) (the CapsNet's Conv1 -> ReLU), the ReLU fused into the convolution
-  /// where conv2d_at can (nn/precision.h): less memory held for the backward.
-  /// x by value: a moved-in x is let go inside the convolution where it can (conv2d_at).
+  /// where kernels::conv2d_at can (kernels/conv_dispatch.h): less memory held for the backward.
+  /// x by value: a moved-in x is let go inside the convolution where it can (kernels::conv2d_at).
   torch::Tensor forward(torch::Tensor x, Precision precision = Precision::kFloat32, bool relu_input = false);
-  /// Makes ahead what an inference forward on an x of x_sizes [B, C, H, W] keeps (nn::prepare_conv2d_at), so
+  /// Makes ahead what an inference forward on an x of x_sizes [B, C, H, W] keeps (kernels::prepare_conv2d_at), so
   /// that a caller can make it before x exists.
   void prepare(torch::IntArrayRef x_sizes, Precision precision);
 
   PrimaryCapsOptions options;
   torch::nn::Conv2d conv{nullptr};
-  /// conv's weights in oneDNN's blocked layout, for forward passes without autograd (nn/blocked_conv.h).
-  BlockedConvWeights blocked_conv;
+  /// conv's weights in oneDNN's blocked layout, for forward passes without autograd (kernels/blocked_conv.h).
+  kernels::BlockedConvWeights blocked_conv;
 };
 TORCH_MODULE(PrimaryCaps);
 

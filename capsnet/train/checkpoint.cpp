@@ -19,6 +19,7 @@
 
 #include "capsnet/train/export.h"
 #include "capsnet/train/parse_config.h"
+#include "capsnet/train/zip_bounds.h"
 
 namespace capsnet::train {
 namespace {
@@ -38,6 +39,8 @@ torch::serialize::InputArchive open_archive(const std::string& path) {
   if (!std::filesystem::exists(path)) throw CheckpointError(fmt::format("checkpoint {}: no such file", path));
   if (const auto why = data::unreadable_reason(path); !why.empty())
     throw CheckpointError(fmt::format("checkpoint {}: cannot open: {}", path, why));
+  if (const auto why = zip_file_expansion_problem(path); !why.empty())
+    throw CheckpointError(fmt::format("checkpoint {}: corrupt or hostile: {}; refused before reading", path, why));
   torch::serialize::InputArchive archive;
   try {
     archive.load_from(path);
@@ -109,8 +112,11 @@ void open_payload(const std::string& path, torch::serialize::InputArchive& outer
     throw CheckpointError(fmt::format("checkpoint {}: corrupt (checksum mismatch: the file was damaged after it was "
                                       "written)",
                                       path));
+  const auto* data = static_cast<const char*>(bytes.data_ptr());
+  if (const auto why = zip_expansion_problem(data, static_cast<size_t>(bytes.numel())); !why.empty())
+    throw CheckpointError(fmt::format("checkpoint {}: corrupt (payload: {})", path, why));
   try {
-    payload.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
+    payload.load_from(data, static_cast<size_t>(bytes.numel()));
   } catch (const std::exception& e) {
     throw CheckpointError(fmt::format("checkpoint {}: corrupt (payload cannot be read)", path));
   }
@@ -263,7 +269,7 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, torch::o
   // The payload (model, optimizer, generator) is serialised to memory first: LibTorch's zip writer
   // throws from its destructor when the disk fills (std::terminate), so it never touches the file.
   torch::serialize::OutputArchive payload;
-  payload.write("meta", c10::IValue(j.dump()));
+  payload.write("meta", c10::IValue(dump_json(j)));
   torch::serialize::OutputArchive model_archive;
   model.save(model_archive);
   payload.write("model", model_archive);
@@ -283,7 +289,7 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, torch::o
   j["payload_crc32"] = crc32_of(payload_bytes.data(), payload_bytes.size());
   j["payload_bytes"] = static_cast<int64_t>(payload_bytes.size());
   torch::serialize::OutputArchive outer;
-  outer.write("meta", c10::IValue(j.dump()));
+  outer.write("meta", c10::IValue(dump_json(j)));
   outer.write("payload", torch::from_blob(payload_bytes.data(), {static_cast<int64_t>(payload_bytes.size())},
                                           torch::kUInt8));
   // Streamed to the file: the payload's bytes are held once, not twice.
@@ -314,7 +320,7 @@ CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model
   auto& archive = checked.contents();
   if (!config_matches(meta.model_config))
     throw CheckpointError(fmt::format("checkpoint {}: its model config {} does not match the model being loaded",
-                                      path, meta.model_config.dump()));
+                                      path, dump_json(meta.model_config)));
   // LibTorch's loader adopts whatever shape a stored tensor has: a file whose tensors do not fit its
   // own config (crafted, or a config edited after the fact) would fail later, deep inside indexing.
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;

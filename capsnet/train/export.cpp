@@ -15,6 +15,7 @@
 #include "capsnet/data/files.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/parse_config.h"
+#include "capsnet/train/zip_bounds.h"
 
 namespace capsnet::train {
 namespace {
@@ -172,11 +173,11 @@ c10::impl::GenericDict weights_dict(torch::nn::Module& model, const char* kind, 
   d.insert("format", std::string(kWeightsFormat));
   d.insert("version", kWeightsVersion);
   d.insert("model", std::string(kind));
-  d.insert("config", config.dump());
+  d.insert("config", dump_json(config));
   d.insert("step", step);
   d.insert("state_dict", tensor_dict(state));
   d.insert("storage", weight_storage_name(options.storage));
-  if (!options.card.is_null()) d.insert("card", options.card.dump());
+  if (!options.card.is_null()) d.insert("card", dump_json(options.card));
 
   if (options.probe > 0) {
     torch::NoGradGuard no_grad;
@@ -286,6 +287,9 @@ ExportedWeights read_weights(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) throw NotWeightsError(fmt::format("weights {}: no such file or not readable", path));
   std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  // As not-weights: the checkpoint reader that try_read_weights' callers fall back to refuses it too.
+  if (const auto why = zip_expansion_problem(bytes.data(), bytes.size()); !why.empty())
+    throw NotWeightsError(fmt::format("weights {}: corrupt or hostile: {}; refused before reading", path, why));
   c10::IValue root;
   try {
     root = torch::pickle_load(bytes);

@@ -55,4 +55,27 @@ nlohmann::json read_json_file(const std::string& path) {
   return parse_json(text.str(), path);
 }
 
+nlohmann::json with_valid_utf8(const nlohmann::json& j) {
+  if (j.is_string()) return data::escape_invalid_utf8(j.get_ref<const std::string&>());
+  if (j.is_array()) {
+    auto out = nlohmann::json::array();
+    for (const auto& e : j) out.push_back(with_valid_utf8(e));
+    return out;
+  }
+  if (j.is_object()) {
+    auto out = nlohmann::json::object();
+    for (const auto& [key, value] : j.items()) out[data::escape_invalid_utf8(key)] = with_valid_utf8(value);
+    return out;
+  }
+  return j;
+}
+
+std::string dump_json(const nlohmann::json& j, int indent) {
+  try {
+    return j.dump(indent);
+  } catch (const nlohmann::json::type_error&) {  // 316: a string that is not UTF-8
+    return with_valid_utf8(j).dump(indent);
+  }
+}
+
 }  // namespace capsnet::train

@@ -24,6 +24,11 @@ nlohmann::json parse_json_or_discarded(std::string_view text);
 /// nested deeper than 64 levels" when too deep, before parsing.
 nlohmann::json parse_json(std::string_view text, const std::string& what);
 
+/// j with data::escape_invalid_utf8 (data/files.h) applied to every string and object key.
+nlohmann::json with_valid_utf8(const nlohmann::json& j);
+/// j.dump(indent), with strings that are not UTF-8 written escaped (above) instead of throwing.
+std::string dump_json(const nlohmann::json& j, int indent = -1);
+
 /// A whole file's text, then parse_json (what = "<path>"); throws std::invalid_argument naming the path
 /// when it cannot be read.
 nlohmann::json read_json_file(const std::string& path);

@@ -9,11 +9,12 @@
 #include <iostream>
 
 #include "capsnet/models/capsnet.h"
-#include "capsnet/train/adam_state.h"
+#include "capsnet/kernels/adam_state.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/distributed.h"
-#include "capsnet/train/fused_adam.h"
+#include "capsnet/kernels/fused_adam.h"
 #include "capsnet/train/gradients.h"
+#include "capsnet/train/json_input.h"
 #include "capsnet/train/metrics.h"
 
 namespace capsnet::train {
@@ -32,11 +33,12 @@ bool all_finite(const std::vector<torch::Tensor>& tensors) {
 void check_resume_compatible(const nlohmann::json& saved, const nlohmann::json& now,
                              const std::vector<std::string>& keys, const std::string& path) {
   for (const auto& key : keys) {
-    if (saved.contains(key) && now.contains(key) && saved[key] != now[key])
+    // The checkpoint holds names that are not UTF-8 escaped (dump_json): compare them so.
+    if (saved.contains(key) && now.contains(key) && saved[key] != with_valid_utf8(now[key]))
       throw std::invalid_argument(
           fmt::format("resume from {}: option {} is {} in the checkpoint but {} now; "
                       "an exact resume needs the same value",
-                      path, key, saved[key].dump(), now[key].dump()));
+                      path, key, dump_json(saved[key]), dump_json(now[key])));
   }
 }
 
@@ -222,354 +224,465 @@ nlohmann::json LoopOptions::to_json() const {
           {"weight_decay", weight_decay},
           {"seed", seed},
           {"checkpoint_every", checkpoint_every},
-          {"precision", nn::precision_name(precision)},
+          {"precision", precision_name(precision)},
           {"out_dir", out_dir}};
   if (target_accuracy > 0) j["target_accuracy"] = target_accuracy;
   if (eval_every > 0) j["eval_every"] = eval_every;
   return j;
 }
 
-LoopResult run(Task& task, const LoopOptions& options, std::ostream& all_log, std::shared_ptr<ProcessGroup> group) {
-  options.validate();
-  const Schedule schedule{task.epoch_size(), options.batch_size, task.shuffle()};
-  if (schedule.n <= 0) throw std::invalid_argument(fmt::format("{}: the training set is empty", task.name()));
-  const int rank = group ? group->rank() : 0, world = group ? group->world_size() : 1;
-  if (world > 1) {
-    const int64_t last =
-        schedule.shuffle && schedule.n % options.batch_size != 0 ? schedule.n % options.batch_size : options.batch_size;
-    if (last < world)
+namespace {
+
+using Scalars = std::vector<std::pair<std::string, double>>;
+
+/// One call of run(): the run's state and the named steps it is made of, in the order run() takes them.
+/// Only rank 0 (`lead_`) logs, evaluates and writes files.
+class LoopRun {
+ public:
+  LoopRun(Task& task, const LoopOptions& options, std::ostream& all_log, std::shared_ptr<ProcessGroup> group)
+      : task_(task),
+        options_(options),
+        group_(std::move(group)),
+        schedule_{task.epoch_size(), options.batch_size, task.shuffle()},
+        rank_(group_ ? group_->rank() : 0),
+        world_(group_ ? group_->world_size() : 1),
+        lead_(rank_ == 0),
+        log_(lead_ ? all_log : null_log_),
+        progress_(options.progress && lead_) {}
+
+  LoopResult run() {
+    check_sizes();
+    describe_options();
+    build();
+    resume_if_asked();
+    prepare();
+    write_start();
+    while (step_ < total_steps_) {
+      if (!one_step()) break;
+    }
+    return finish();
+  }
+
+ private:
+  // --- before the first step ---------------------------------------------------------------------
+
+  void check_sizes() const {
+    options_.validate();
+    if (schedule_.n <= 0) throw std::invalid_argument(fmt::format("{}: the training set is empty", task_.name()));
+    if (world_ > 1) {
+      const int64_t B = options_.batch_size;
+      const int64_t last = schedule_.shuffle && schedule_.n % B != 0 ? schedule_.n % B : B;
+      if (last < world_)
+        throw std::invalid_argument(
+            fmt::format("{} processes need at least {} examples in every batch, but batch size "
+                        "{} over {} examples leaves a last batch of {}",
+                        world_, world_, B, schedule_.n, last));
+    }
+  }
+
+  /// The options as recorded in checkpoints and metrics, and the keys a resume must match.
+  void describe_options() {
+    options_json_ = options_.to_json();
+    options_json_["task"] = task_.name();
+    resume_keys_ = {"task", "batch_size", "lr", "lr_decay", "lr_decay_steps", "lr_schedule", "weight_decay", "seed"};
+    total_steps_ = options_.max_steps > 0 ? options_.max_steps : schedule_.total_steps(options_.epochs);
+    if (options_.lr_schedule == LrSchedule::kOneCycle) {
+      // The cycle spans the whole run: resuming with another length would change every later rate.
+      options_json_["warmup_fraction"] = options_.warmup_fraction;
+      options_json_["schedule_steps"] = total_steps_;
+      resume_keys_.insert(resume_keys_.end(), {"warmup_fraction", "schedule_steps"});
+    }
+    const auto data_json = task_.data_config();  // items() refers into it: not a temporary
+    for (const auto& [key, value] : data_json.items()) {
+      options_json_[key] = value;
+      resume_keys_.push_back(key);
+    }
+    ckpt_ = checkpoint_path(options_.out_dir);
+  }
+
+  void build() {
+    torch::manual_seed(options_.seed);
+    model_ = task_.build_model(options_.precision);
+    if (group_ && task_.steps_itself())
       throw std::invalid_argument(
-          fmt::format("{} processes need at least {} examples in every batch, but batch size "
-                      "{} over {} examples leaves a last batch of {}",
-                      world, world, options.batch_size, schedule.n, last));
-  }
-  const bool lead = rank == 0;  // the one rank that logs, evaluates and writes files
-  std::ostream null_log(nullptr);
-  std::ostream& log = lead ? all_log : null_log;
-  const bool progress = options.progress && lead;
-
-  auto options_json = options.to_json();
-  options_json["task"] = task.name();
-  const auto data_json = task.data_config();
-  std::vector<std::string> resume_keys{"task",         "batch_size", "lr",  "lr_decay", "lr_decay_steps",
-                                       "lr_schedule", "weight_decay", "seed"};
-  const int64_t total_steps = options.max_steps > 0 ? options.max_steps : schedule.total_steps(options.epochs);
-  if (options.lr_schedule == LrSchedule::kOneCycle) {
-    // The cycle spans the whole run: resuming with another length would change every later rate.
-    options_json["warmup_fraction"] = options.warmup_fraction;
-    options_json["schedule_steps"] = total_steps;
-    resume_keys.insert(resume_keys.end(), {"warmup_fraction", "schedule_steps"});
-  }
-  for (const auto& [key, value] : data_json.items()) {
-    options_json[key] = value;
-    resume_keys.push_back(key);
+          fmt::format("{}: this task makes its own optimizer updates and runs in one process only", task_.name()));
+    optimizer_ = task_.make_optimizer(*model_, options_);
+    if (!optimizer_)
+      optimizer_ = kernels::make_adam(model_->parameters(),
+                                      torch::optim::AdamOptions(options_.lr).weight_decay(options_.weight_decay));
   }
 
-  torch::manual_seed(options.seed);
-  auto model = task.build_model(options.precision);
-  if (group && task.steps_itself())
-    throw std::invalid_argument(
-        fmt::format("{}: this task makes its own optimizer updates and runs in one process only", task.name()));
-  std::unique_ptr<torch::optim::Optimizer> optimizer = task.make_optimizer(*model, options);
-  if (!optimizer)
-    optimizer = make_adam(model->parameters(), torch::optim::AdamOptions(options.lr).weight_decay(options.weight_decay));
-  const std::string ckpt = checkpoint_path(options.out_dir);
-
-  int64_t step = 0;
-  BestValidation best;
-  if (!options.resume.empty()) {
-    auto meta = read_checkpoint_meta(options.resume);
+  void resume_if_asked() {
+    if (options_.resume.empty()) return;
+    auto meta = read_checkpoint_meta(options_.resume);
     auto saved_options = meta.train_options;
     if (saved_options.is_object() && !saved_options.contains("lr_schedule"))
       saved_options["lr_schedule"] = "exponential";  // checkpoints from before the option had only this one
     if (saved_options.is_object() && !saved_options.contains("lr_decay_steps"))
       saved_options["lr_decay_steps"] = 0;  // before the option, the rate decayed per epoch
-    check_resume_compatible(saved_options, options_json, resume_keys, options.resume);
-    step = load_checkpoint(options.resume, *model, optimizer.get(), [&](const nlohmann::json& saved) {
-             return task.config_matches(saved);
-           }).step;
-    log << fmt::format("resumed from {} at step {}\n", options.resume, step);
-    best = BestValidation::from_json(meta.train_options);
-  }
-  allocate_adam_state(*optimizer);  // before the first forward: lower peak memory (adam_state.h)
-  clear_grads(*optimizer);          // every step starts without gradients (see the end of a step below)
-  model->train();
-  std::optional<GradientReducer> reducer;
-  if (group) {
-    // The same seed already gives every rank the same weights; the broadcast also covers resumes
-    // and anything else that could make rank 0's state the only one to trust.
-    broadcast_parameters(*group, model->parameters());
-    reducer.emplace(group, model->parameters());
+    check_resume_compatible(saved_options, options_json_, resume_keys_, options_.resume);
+    step_ = load_checkpoint(options_.resume, *model_, optimizer_.get(), [&](const nlohmann::json& saved) {
+              return task_.config_matches(saved);
+            }).step;
+    log_ << fmt::format("resumed from {} at step {}\n", options_.resume, step_);
+    best_ = BestValidation::from_json(meta.train_options);
   }
 
-  const int64_t total_epochs = schedule.epoch_of(total_steps - 1) + 1;
-  JsonLinesWriter metrics = lead ? JsonLinesWriter(metrics_path(options.out_dir), /*truncate=*/options.resume.empty())
-                                 : JsonLinesWriter();  // not open: writes nothing
-  const int64_t parameters = models::count_parameters(*model);
-  metrics.write({{"event", "start"},
-                 {"task", task.name()},
-                 {"step", step},
-                 {"model", task.model_config()},
-                 {"train", options_json},
-                 {"parameters", parameters},
-                 {"threads", at::get_num_threads()}});
-  log << fmt::format(
-      "{}: {} parameters, {} examples per epoch, batch {}, {} steps ({} per epoch), {} threads, {} "
-      "compute\n",
-      task.describe(), parameters, schedule.n, options.batch_size, total_steps, schedule.first_step(1),
-      at::get_num_threads(), nn::precision_name(options.precision));
-  if (group)
-    log << fmt::format("data parallel: {} processes, {} examples each per step, {} gradient buckets\n", world,
-                       options.batch_size / world, reducer->bucket_count());
-
-  LoopResult result;
-  result.start_step = step;
-  result.total_steps = total_steps;
-  result.checkpoint = options.resume;
-  int64_t last_saved = step;
-  // Not resuming, a checkpoint already in out_dir is a previous run's (the caller chose to replace
-  // it): it stays until this run saves its own, and a divergence before that says so.
-  std::error_code exists_error;
-  const bool previous_checkpoint = options.resume.empty() && std::filesystem::exists(ckpt, exists_error);
-  // A fresh run's first checkpoint replaces the previous run's; its best.pt goes with it.
-  bool stale_best = options.resume.empty() && lead;
-  auto last_good = [&] {
-    if (!result.checkpoint.empty())
-      return fmt::format("The last good checkpoint is {} (step {}). Try a lower learning rate (lr).",
-                         result.checkpoint, last_saved);
-    if (previous_checkpoint)
-      return fmt::format("This run wrote no checkpoint yet; {} still holds the previous run's, unchanged. Try a "
-                         "lower learning rate (lr).",
-                         ckpt);
-    return std::string("This run wrote no checkpoint yet. Try a lower learning rate (lr).");
-  };
-  auto save = [&](int64_t at_step) {
-    if (!all_finite(model->parameters()))
-      throw TrainingDiverged(
-          fmt::format("{}: weights are not finite at step {}; not saving. {}", task.name(), at_step, last_good()));
-    if (lead) save_checkpoint(ckpt, *model, optimizer.get(), {at_step, task.model_config(), best.into(options_json)});
-    if (stale_best) {
-      std::error_code ignored;  // none there is the usual case
-      std::filesystem::remove(best_checkpoint_path(options.out_dir), ignored);
-      stale_best = false;
+  void prepare() {
+    kernels::allocate_adam_state(*optimizer_);  // before the first forward: lower peak memory (adam_state.h)
+    clear_grads(*optimizer_);                    // every step starts without gradients (see train_on below)
+    model_->train();
+    if (group_) {
+      // The same seed already gives every rank the same weights; the broadcast also covers resumes
+      // and anything else that could make rank 0's state the only one to trust.
+      broadcast_parameters(*group_, model_->parameters());
+      reducer_.emplace(group_, model_->parameters());
     }
-    result.checkpoint = ckpt;
-    last_saved = at_step;
-    metrics.write({{"event", "checkpoint"}, {"step", at_step}, {"path", ckpt}});
-  };
+    total_epochs_ = schedule_.epoch_of(total_steps_ - 1) + 1;
+    result_.start_step = step_;
+    result_.total_steps = total_steps_;
+    result_.checkpoint = options_.resume;
+    last_saved_ = step_;
+    // Not resuming, a checkpoint already in out_dir is a previous run's (the caller chose to replace
+    // it): it stays until this run saves its own, and a divergence before that says so.
+    std::error_code exists_error;
+    previous_checkpoint_ = options_.resume.empty() && std::filesystem::exists(ckpt_, exists_error);
+    // A fresh run's first checkpoint replaces the previous run's; its best.pt goes with it.
+    stale_best_ = options_.resume.empty() && lead_;
+  }
 
-  torch::Tensor perm;
-  int64_t perm_epoch = -1;
-  double run_seconds = 0;
-  Window window, epoch_window;
-  std::optional<ProgressBar> bar;
-  int64_t bar_epoch = -1;
+  void write_start() {
+    if (lead_) metrics_ = JsonLinesWriter(metrics_path(options_.out_dir), /*truncate=*/options_.resume.empty());
+    const int64_t parameters = models::count_parameters(*model_);
+    metrics_.write({{"event", "start"},
+                    {"task", task_.name()},
+                    {"step", step_},
+                    {"model", task_.model_config()},
+                    {"train", options_json_},
+                    {"parameters", parameters},
+                    {"threads", at::get_num_threads()}});
+    log_ << fmt::format(
+        "{}: {} parameters, {} examples per epoch, batch {}, {} steps ({} per epoch), {} threads, {} "
+        "compute\n",
+        task_.describe(), parameters, schedule_.n, options_.batch_size, total_steps_, schedule_.first_step(1),
+        at::get_num_threads(), precision_name(options_.precision));
+    if (group_)
+      log_ << fmt::format("data parallel: {} processes, {} examples each per step, {} gradient buckets\n", world_,
+                          options_.batch_size / world_, reducer_->bucket_count());
+  }
 
-  while (step < total_steps) {
-    const int64_t epoch = schedule.epoch_of(step);
-    if (epoch != bar_epoch) {
-      bar_epoch = epoch;
-      epoch_window.clear();
-      const int64_t epoch_steps = std::min(schedule.first_step(epoch + 1), total_steps) - schedule.first_step(epoch);
-      const auto label = total_epochs > 1 ? fmt::format("epoch {}/{}", epoch + 1, total_epochs) : task.name();
-      bar.emplace(std::cerr, label, epoch_steps, progress);
-    }
-    torch::Tensor ids;  // [B] int64: the examples of this step's global batch
-    if (schedule.shuffle) {
-      if (epoch != perm_epoch) {
-        auto gen = seeded_stream(options.seed, 1, static_cast<uint64_t>(epoch));
-        perm = torch::randperm(schedule.n, gen, torch::kLong);
-        perm_epoch = epoch;
-      }
-      const int64_t begin = (step - schedule.first_step(epoch)) * options.batch_size;
-      ids = perm.narrow(0, begin, std::min(options.batch_size, schedule.n - begin));
-    } else {
-      ids = torch::arange(step * options.batch_size, (step + 1) * options.batch_size, torch::kLong);
-    }
-    if (group) group->before_step(step);
+  // --- one step ------------------------------------------------------------------------------------
+
+  /// Trains step_ and does what falls after it (records, evaluations, checkpoints, the epoch's line).
+  /// false: the run stops here (target accuracy or time budget).
+  bool one_step() {
+    const int64_t epoch = schedule_.epoch_of(step_);
+    if (epoch != bar_epoch_) begin_epoch(epoch);
+    const torch::Tensor ids = batch_ids(epoch);  // [B] int64
+    if (group_) group_->before_step(step_);
     const auto t0 = Clock::now();
-    task.begin_step(step, total_steps);
-    auto gen = seeded_stream(options.seed, 2, static_cast<uint64_t>(step));
-    Batch global = task.batch(ids, gen);
+    task_.begin_step(step_, total_steps_);
+    auto gen = seeded_stream(options_.seed, 2, static_cast<uint64_t>(step_));
+    const Batch global = task_.batch(ids, gen);
     const int64_t len = global.size();
     Batch rows = global;
-    if (group) {
+    if (group_) {
       // The batch (and its augmentation) is drawn whole, so each example is what it would be in one
       // process; this rank keeps its rows.
-      const auto [lo, hi] = rank_slice(len, rank, world);
+      const auto [lo, hi] = rank_slice(len, rank_, world_);
       rows = global.rows(lo, hi);
     }
+    const double lr = options_.learning_rate(step_, total_steps_, schedule_.epochs_done(step_));
+    for (auto& g : optimizer_->param_groups()) g.options().set_lr(lr);
+    Scalars scalars;
+    const double loss_value = train_on(rows, len, epoch, scalars);
+    ++step_;
 
-    const double lr = options.learning_rate(step, total_steps, schedule.epochs_done(step));
-    for (auto& g : optimizer->param_groups()) g.options().set_lr(lr);
+    run_seconds_ += seconds_since(t0);
+    result_.images += len;
+    result_.losses.push_back(loss_value);
+    for (const auto& [name, v] : scalars)
+      if (name == "accuracy") result_.accuracies.push_back(v);
+    window_.add(static_cast<double>(len), loss_value, scalars);
+    epoch_window_.add(static_cast<double>(len), loss_value, scalars);
+    const double img_s = images_per_second();
+    bar_->update(step_ - schedule_.first_step(epoch), epoch_window_.summary(img_s));
 
-    // A task that steps itself has already updated the weights here; the guard below still stops the
+    result_.out_of_time = options_.max_seconds > 0 && run_seconds_ > options_.max_seconds;
+    const bool last = step_ == total_steps_ || result_.out_of_time;
+    if (step_ % options_.log_every == 0 || last) write_train_record(lr, img_s);
+    const bool epoch_end = last || schedule_.epoch_of(step_) != epoch;
+    after_step(epoch, epoch_end, last, img_s);
+    return !should_stop();
+  }
+
+  void begin_epoch(int64_t epoch) {
+    bar_epoch_ = epoch;
+    epoch_window_.clear();
+    const int64_t epoch_steps = std::min(schedule_.first_step(epoch + 1), total_steps_) - schedule_.first_step(epoch);
+    const auto label = total_epochs_ > 1 ? fmt::format("epoch {}/{}", epoch + 1, total_epochs_) : task_.name();
+    bar_.emplace(std::cerr, label, epoch_steps, progress_);
+  }
+
+  /// ids: [B] int64, the examples of step_'s global batch: a slice of the epoch's seeded permutation, or
+  /// [s B, (s + 1) B) of a stream.
+  torch::Tensor batch_ids(int64_t epoch) {
+    if (!schedule_.shuffle)
+      return torch::arange(step_ * options_.batch_size, (step_ + 1) * options_.batch_size, torch::kLong);
+    if (epoch != perm_epoch_) {
+      auto gen = seeded_stream(options_.seed, 1, static_cast<uint64_t>(epoch));
+      perm_ = torch::randperm(schedule_.n, gen, torch::kLong);
+      perm_epoch_ = epoch;
+    }
+    const int64_t begin = (step_ - schedule_.first_step(epoch)) * options_.batch_size;
+    return perm_.narrow(0, begin, std::min(options_.batch_size, schedule_.n - begin));
+  }
+
+  /// The loss of `rows` (this rank's share of a global batch of len), its gradient and the update; returns
+  /// the loss and the task's scalars as means over the global batch. Throws TrainingDiverged on a
+  /// non-finite loss.
+  double train_on(const Batch& rows, int64_t len, int64_t epoch, Scalars& scalars) {
+    // A task that steps itself has already updated the weights here; the check below still stops the
     // run before the next checkpoint, and save() refuses non-finite weights.
-    auto loss = task.steps_itself() ? task.train_step(rows, *optimizer) : task.loss(rows);
+    auto loss = task_.steps_itself() ? task_.train_step(rows, *optimizer_) : task_.loss(rows);
     double loss_value = loss.total.item<double>();
-    std::vector<std::pair<std::string, double>> scalars;
     for (const auto& [name, t] : loss.scalars) scalars.emplace_back(name, t.item<double>());
-    if (group) {
+    if (group_) {
       // Global means over the batch, so logs, metrics and the divergence check match one process.
       const double local = static_cast<double>(rows.size());
       std::vector<double> sums{loss_value * local};
       for (const auto& s : scalars) sums.push_back(s.second * local);
       std::vector<torch::Tensor> one{torch::tensor(sums, torch::kFloat64)};
-      group->allreduce_sum(one);
+      group_->allreduce_sum(one);
       loss_value = one[0][0].item<double>() / len;
       for (size_t i = 0; i < scalars.size(); ++i) scalars[i].second = one[0][i + 1].item<double>() / len;
     }
     if (!std::isfinite(loss_value))
-      throw TrainingDiverged(fmt::format("{}: loss is {} at step {} (epoch {}); stopping. {}", task.name(), loss_value,
-                                         step, epoch + 1, last_good()));
-    if (task.steps_itself()) {
+      throw TrainingDiverged(fmt::format("{}: loss is {} at step {} (epoch {}); stopping. {}", task_.name(),
+                                         loss_value, step_, epoch + 1, last_good()));
+    if (task_.steps_itself()) {
       for (const auto& [name, v] : scalars)
         if (!std::isfinite(v))
-          throw TrainingDiverged(fmt::format("{}: {} is {} at step {} (epoch {}); stopping. {}", task.name(), name, v,
-                                             step, epoch + 1, last_good()));
+          throw TrainingDiverged(fmt::format("{}: {} is {} at step {} (epoch {}); stopping. {}", task_.name(), name,
+                                             v, step_, epoch + 1, last_good()));
+      return loss_value;
+    }
+    if (group_) {
+      // The loss is a mean over this rank's b rows; weighting it by b * W / B before the average
+      // over W ranks gives sum_r (b_r / B) grad_r, the gradient of the mean over the global batch.
+      (loss.total * (static_cast<double>(rows.size()) * world_ / len)).backward();
+      reducer_->average();
     } else {
-      if (group) {
-        // The loss is a mean over this rank's b rows; weighting it by b * W / B before the average
-        // over W ranks gives sum_r (b_r / B) grad_r, the gradient of the mean over the global batch.
-        (loss.total * (static_cast<double>(rows.size()) * world / len)).backward();
-        reducer->average();
-      } else {
-        loss.total.backward();
-      }
-      optimizer->step();
-      // The gradients go as soon as the step has used them: the next forward, the evaluations and the
-      // checkpoints between steps do not hold them (CapsNet: 33 MB in fp32, on the forward's peak).
-      clear_grads(*optimizer);
+      loss.total.backward();
     }
-    ++step;
+    optimizer_->step();
+    // The gradients go as soon as the step has used them: the next forward, the evaluations and the
+    // checkpoints between steps do not hold them (CapsNet: 33 MB in fp32, on the forward's peak).
+    clear_grads(*optimizer_);
+    return loss_value;
+  }
 
-    run_seconds += seconds_since(t0);
-    result.images += len;
-    result.losses.push_back(loss_value);
-    for (const auto& [name, v] : scalars)
-      if (name == "accuracy") result.accuracies.push_back(v);
-    window.add(static_cast<double>(len), loss_value, scalars);
-    epoch_window.add(static_cast<double>(len), loss_value, scalars);
-    const double img_s = run_seconds > 0 ? result.images / run_seconds : 0;
-    bar->update(step - schedule.first_step(epoch), epoch_window.summary(img_s));
+  double images_per_second() const { return run_seconds_ > 0 ? result_.images / run_seconds_ : 0; }
 
-    result.out_of_time = options.max_seconds > 0 && run_seconds > options.max_seconds;
-    const bool last = step == total_steps || result.out_of_time;
-    if (step % options.log_every == 0 || last) {
-      nlohmann::json record = {{"event", "train"},
-                               {"step", step},
-                               {"epoch", schedule.epochs_done(step)},
-                               {"images_seen", schedule.examples_done(step)},
-                               {"loss", window.mean_loss()}};
-      for (const auto& [name, sum] : window.sums) record[name] = sum / window.rows;
-      record["lr"] = lr;
-      record["images_per_second"] = img_s;
-      metrics.write(record);
-      window.clear();
-    }
-    const bool epoch_end = last || schedule.epoch_of(step) != epoch;
-    // Runs one of the task's evaluations and writes its "eval" record (rank 0 only; the caller checks lead).
-    auto evaluate_split = [&](const char* split) -> std::optional<Evaluation> {
-      auto* bar_stream = progress ? &std::cerr : nullptr;
-      auto e = std::string(split) == "val" ? task.evaluate_validation(bar_stream) : task.evaluate(bar_stream);
-      if (e) {
-        nlohmann::json record = {{"event", "eval"},
-                                 {"split", split},
-                                 {"step", step},
-                                 {"epoch", schedule.epochs_done(step)},
-                                 {"train_seconds", run_seconds}};
-        record.update(e->record);
-        metrics.write(record);
-      }
-      return e;
-    };
-    auto evaluate_now = [&] { return evaluate_split("test"); };
-    const bool epoch_evaluates = epoch_end && (options.evaluate_each_epoch || last);
+  void write_train_record(double lr, double img_s) {
+    nlohmann::json record = {{"event", "train"},
+                             {"step", step_},
+                             {"epoch", schedule_.epochs_done(step_)},
+                             {"images_seen", schedule_.examples_done(step_)},
+                             {"loss", window_.mean_loss()}};
+    for (const auto& [name, sum] : window_.sums) record[name] = sum / window_.rows;
+    record["lr"] = lr;
+    record["images_per_second"] = img_s;
+    metrics_.write(record);
+    window_.clear();
+  }
+
+  /// Evaluations, checkpoint, best.pt and the epoch's line after step_.
+  void after_step(int64_t epoch, bool epoch_end, bool last, double img_s) {
+    const bool epoch_evaluates = epoch_end && (options_.evaluate_each_epoch || last);
     // The validation comes before the epoch's checkpoint, so that the checkpoint records the best so far
     // and best.pt can be a copy of it.
     bool new_best = false;
-    if (lead && epoch_evaluates) {
-      result.validation = evaluate_split("val");
-      if (result.validation) new_best = best.offer(*result.validation, step);
+    if (lead_ && epoch_evaluates) {
+      result_.validation = evaluate_split("val");
+      if (result_.validation) new_best = best_.offer(*result_.validation, step_);
     }
-    if ((options.checkpoint_every > 0 && step % options.checkpoint_every == 0) || epoch_end) save(step);
-    if (lead && new_best) {
-      copy_file_atomically(ckpt, best_checkpoint_path(options.out_dir));
-      metrics.write({{"event", "best"},
-                     {"step", step},
-                     {"epoch", schedule.epochs_done(step)},
-                     {"val_accuracy", best.accuracy.value_or(0)},
-                     {"path", best_checkpoint_path(options.out_dir)}});
+    if ((options_.checkpoint_every > 0 && step_ % options_.checkpoint_every == 0) || epoch_end) save();
+    if (lead_ && new_best) {
+      copy_file_atomically(ckpt_, best_checkpoint_path(options_.out_dir));
+      metrics_.write({{"event", "best"},
+                      {"step", step_},
+                      {"epoch", schedule_.epochs_done(step_)},
+                      {"val_accuracy", best_.accuracy.value_or(0)},
+                      {"path", best_checkpoint_path(options_.out_dir)}});
     }
     // A mid-epoch learning-curve point; an epoch end evaluates below (when it evaluates at all).
-    if (lead && options.eval_every > 0 && step % options.eval_every == 0 && !epoch_evaluates) {
-      if (auto e = evaluate_now()) {
-        log << fmt::format("step {} (epoch {:.3g}): {}\n", step, schedule.epochs_done(step), e->summary) << std::flush;
-        result.evaluation = std::move(e);
+    if (lead_ && options_.eval_every > 0 && step_ % options_.eval_every == 0 && !epoch_evaluates) {
+      if (auto e = evaluate_split("test")) {
+        log_ << fmt::format("step {} (epoch {:.3g}): {}\n", step_, schedule_.epochs_done(step_), e->summary)
+             << std::flush;
+        result_.evaluation = std::move(e);
       }
     }
-    if (epoch_end) {
-      bar->finish(epoch_window.summary(img_s));
-      // A run that stops inside an epoch says where, rather than naming an epoch it did not finish.
-      const bool whole_epoch = schedule.epoch_of(step) != epoch || schedule.first_step(epoch + 1) == step;
-      std::string line = whole_epoch ? fmt::format("epoch {}: train loss {:.4f}", epoch + 1, epoch_window.mean_loss())
-                                     : fmt::format("step {} (epoch {:.3g}): train loss {:.4f}", step,
-                                                   schedule.epochs_done(step), epoch_window.mean_loss());
-      if (auto acc = epoch_window.mean("accuracy")) line += fmt::format(" accuracy {:.2f}%", 100 * *acc);
-      line += fmt::format(" ({:.0f} img/s)", img_s);
-      if (lead && epoch_evaluates) {
-        auto reached = [&](const Evaluation& e) {
-          const auto acc = e.record.find("accuracy");
-          return options.target_accuracy > 0 && acc != e.record.end() && acc->is_number() &&
-                 acc->get<double>() >= options.target_accuracy;
-        };
-        if (result.validation) {
-          line += " | " + result.validation->summary;
-          if (new_best) line += " (best)";
-          result.target_reached = reached(*result.validation);
-        }
-        if (auto e = evaluate_now()) {
-          line += " | " + e->summary;
-          if (!result.validation) result.target_reached = reached(*e);
-          result.evaluation = std::move(e);
-        }
+    if (epoch_end) end_epoch(epoch, epoch_evaluates, new_best, img_s);
+  }
+
+  /// Runs one of the task's evaluations and writes its "eval" record (rank 0 only; the caller checks lead_).
+  std::optional<Evaluation> evaluate_split(const char* split) {
+    auto* bar_stream = progress_ ? &std::cerr : nullptr;
+    auto e = std::string(split) == "val" ? task_.evaluate_validation(bar_stream) : task_.evaluate(bar_stream);
+    if (e) {
+      nlohmann::json record = {{"event", "eval"},
+                               {"split", split},
+                               {"step", step_},
+                               {"epoch", schedule_.epochs_done(step_)},
+                               {"train_seconds", run_seconds_}};
+      record.update(e->record);
+      metrics_.write(record);
+    }
+    return e;
+  }
+
+  bool reached_target(const Evaluation& e) const {
+    const auto acc = e.record.find("accuracy");
+    return options_.target_accuracy > 0 && acc != e.record.end() && acc->is_number() &&
+           acc->get<double>() >= options_.target_accuracy;
+  }
+
+  /// The epoch's line (train, then validation and test when it evaluates) and the target check.
+  void end_epoch(int64_t epoch, bool evaluates, bool new_best, double img_s) {
+    bar_->finish(epoch_window_.summary(img_s));
+    // A run that stops inside an epoch says where, rather than naming an epoch it did not finish.
+    const bool whole_epoch = schedule_.epoch_of(step_) != epoch || schedule_.first_step(epoch + 1) == step_;
+    std::string line = whole_epoch ? fmt::format("epoch {}: train loss {:.4f}", epoch + 1, epoch_window_.mean_loss())
+                                   : fmt::format("step {} (epoch {:.3g}): train loss {:.4f}", step_,
+                                                 schedule_.epochs_done(step_), epoch_window_.mean_loss());
+    if (auto acc = epoch_window_.mean("accuracy")) line += fmt::format(" accuracy {:.2f}%", 100 * *acc);
+    line += fmt::format(" ({:.0f} img/s)", img_s);
+    if (lead_ && evaluates) {
+      if (result_.validation) {
+        line += " | " + result_.validation->summary;
+        if (new_best) line += " (best)";
+        result_.target_reached = reached_target(*result_.validation);
       }
-      log << line << '\n' << std::flush;
-      if (group && options.target_accuracy > 0) {
-        // Only rank 0 evaluates; every rank must stop at the same step.
-        std::vector<torch::Tensor> flag{torch::tensor({result.target_reached ? 1.0 : 0.0}, torch::kFloat64)};
-        group->allreduce_sum(flag);
-        result.target_reached = flag[0].item<double>() > 0;
+      if (auto e = evaluate_split("test")) {
+        line += " | " + e->summary;
+        if (!result_.validation) result_.target_reached = reached_target(*e);
+        result_.evaluation = std::move(e);
       }
     }
-    if (result.target_reached && step < total_steps) {
-      log << fmt::format("{}: stopping after step {} of {}: the target accuracy {:.2f}% is reached\n", task.name(),
-                         step, total_steps, 100 * options.target_accuracy);
-      break;
-    }
-    if (result.out_of_time) {
-      log << fmt::format("{}: stopping after step {} of {}: the time budget ({:.0f} s) is spent\n", task.name(), step,
-                         total_steps, options.max_seconds);
-      break;
+    log_ << line << '\n' << std::flush;
+    if (group_ && options_.target_accuracy > 0) {
+      // Only rank 0 evaluates; every rank must stop at the same step.
+      std::vector<torch::Tensor> flag{torch::tensor({result_.target_reached ? 1.0 : 0.0}, torch::kFloat64)};
+      group_->allreduce_sum(flag);
+      result_.target_reached = flag[0].item<double>() > 0;
     }
   }
-  result.end_step = step;
-  result.best_validation_accuracy = best.accuracy;
-  result.best_validation_step = best.step;
-  result.seconds = run_seconds;
-  result.images_per_second = run_seconds > 0 ? result.images / run_seconds : 0;
-  nlohmann::json end = {
-      {"event", "end"}, {"step", step}, {"seconds", run_seconds}, {"images_per_second", result.images_per_second}};
-  if (best.accuracy) {
-    end["best_val_accuracy"] = *best.accuracy;
-    end["best_step"] = best.step;
+
+  bool should_stop() {
+    if (result_.target_reached && step_ < total_steps_) {
+      log_ << fmt::format("{}: stopping after step {} of {}: the target accuracy {:.2f}% is reached\n", task_.name(),
+                          step_, total_steps_, 100 * options_.target_accuracy);
+      return true;
+    }
+    if (result_.out_of_time) {
+      log_ << fmt::format("{}: stopping after step {} of {}: the time budget ({:.0f} s) is spent\n", task_.name(),
+                          step_, total_steps_, options_.max_seconds);
+      return true;
+    }
+    return false;
   }
-  if (options.target_accuracy > 0) {
-    end["target_accuracy"] = options.target_accuracy;
-    end["target_reached"] = result.target_reached;
+
+  // --- checkpoints -----------------------------------------------------------------------------------
+
+  /// What is on disk to go back to, for a divergence message.
+  std::string last_good() const {
+    if (!result_.checkpoint.empty())
+      return fmt::format("The last good checkpoint is {} (step {}). Try a lower learning rate (lr).",
+                         result_.checkpoint, last_saved_);
+    if (previous_checkpoint_)
+      return fmt::format("This run wrote no checkpoint yet; {} still holds the previous run's, unchanged. Try a "
+                         "lower learning rate (lr).",
+                         ckpt_);
+    return "This run wrote no checkpoint yet. Try a lower learning rate (lr).";
   }
-  metrics.write(end);
-  return result;
+
+  void save() {
+    if (!all_finite(model_->parameters()))
+      throw TrainingDiverged(
+          fmt::format("{}: weights are not finite at step {}; not saving. {}", task_.name(), step_, last_good()));
+    if (lead_)
+      save_checkpoint(ckpt_, *model_, optimizer_.get(), {step_, task_.model_config(), best_.into(options_json_)});
+    if (stale_best_) {
+      std::error_code ignored;  // none there is the usual case
+      std::filesystem::remove(best_checkpoint_path(options_.out_dir), ignored);
+      stale_best_ = false;
+    }
+    result_.checkpoint = ckpt_;
+    last_saved_ = step_;
+    metrics_.write({{"event", "checkpoint"}, {"step", step_}, {"path", ckpt_}});
+  }
+
+  // --- after the last step ---------------------------------------------------------------------------
+
+  LoopResult finish() {
+    result_.end_step = step_;
+    result_.best_validation_accuracy = best_.accuracy;
+    result_.best_validation_step = best_.step;
+    result_.seconds = run_seconds_;
+    result_.images_per_second = images_per_second();
+    nlohmann::json end = {
+        {"event", "end"}, {"step", step_}, {"seconds", run_seconds_}, {"images_per_second", result_.images_per_second}};
+    if (best_.accuracy) {
+      end["best_val_accuracy"] = *best_.accuracy;
+      end["best_step"] = best_.step;
+    }
+    if (options_.target_accuracy > 0) {
+      end["target_accuracy"] = options_.target_accuracy;
+      end["target_reached"] = result_.target_reached;
+    }
+    metrics_.write(end);
+    return std::move(result_);
+  }
+
+  Task& task_;
+  const LoopOptions& options_;
+  std::shared_ptr<ProcessGroup> group_;
+  const Schedule schedule_;
+  const int rank_, world_;
+  const bool lead_;  // the one rank that logs, evaluates and writes files
+  std::ostream null_log_{nullptr};
+  std::ostream& log_;
+  const bool progress_;
+
+  nlohmann::json options_json_;
+  std::vector<std::string> resume_keys_;
+  int64_t total_steps_ = 0, total_epochs_ = 0;
+  std::string ckpt_;
+  std::shared_ptr<torch::nn::Module> model_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::optional<GradientReducer> reducer_;
+  JsonLinesWriter metrics_;  // not open on ranks other than 0: writes nothing
+
+  int64_t step_ = 0;
+  BestValidation best_;
+  LoopResult result_;
+  int64_t last_saved_ = 0;
+  bool previous_checkpoint_ = false, stale_best_ = false;
+
+  torch::Tensor perm_;  // [n] int64: the current epoch's order (shuffled tasks)
+  int64_t perm_epoch_ = -1;
+  double run_seconds_ = 0;
+  Window window_, epoch_window_;
+  std::optional<ProgressBar> bar_;
+  int64_t bar_epoch_ = -1;
+};
+
+}  // namespace
+
+LoopResult run(Task& task, const LoopOptions& options, std::ostream& log, std::shared_ptr<ProcessGroup> group) {
+  return LoopRun(task, options, log, std::move(group)).run();
 }
 
 }  // namespace capsnet::train

@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-#include "capsnet/nn/precision.h"
+#include "capsnet/kernels/precision.h"
 
 namespace capsnet::train {
 
@@ -62,7 +62,7 @@ class Task {
   virtual std::string name() const = 0;
   /// Builds the model (once, after torch::manual_seed(seed), so initialisation is reproducible) and
   /// returns it: its parameters are optimised and it is what checkpoints hold.
-  virtual std::shared_ptr<torch::nn::Module> build_model(nn::Precision precision) = 0;
+  virtual std::shared_ptr<torch::nn::Module> build_model(Precision precision) = 0;
   /// The model's config as stored in checkpoints.
   virtual nlohmann::json model_config() const = 0;
   /// Whether a checkpoint's stored model config describes this task's model (default: equal JSON).
@@ -142,7 +142,7 @@ struct LoopOptions {
   bool evaluate_each_epoch = true;  // false: evaluate at the end only
   std::string resume;              // checkpoint to continue from ("" = start fresh)
   bool progress = true;
-  nn::Precision precision = nn::Precision::kFloat32;
+  Precision precision = Precision::kFloat32;
   double max_seconds = 0;  // > 0: stop after the first step that ends past this much training time
   /// > 0: stop after the first end-of-epoch evaluation whose "accuracy" reaches it (a fraction in
   /// (0, 1]; "train until the model reaches 99%" protocols): the validation accuracy when the task has a

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <iostream>
 #include <stdexcept>
+#include "capsnet/train/json_input.h"
 
 namespace capsnet::train {
 
@@ -23,9 +24,9 @@ void JsonLinesWriter::write(const nlohmann::json& record) {
     // Wall-clock stamp (Unix seconds) on every record: time-to-accuracy is read off the log.
     auto stamped = record;
     stamped["time"] = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-    out_ << stamped.dump() << '\n';
+    out_ << dump_json(stamped) << '\n';
   } else {
-    out_ << record.dump() << '\n';
+    out_ << dump_json(record) << '\n';
   }
   out_.flush();
   // A full disk must not lose metrics silently.

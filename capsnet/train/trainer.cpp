@@ -20,7 +20,7 @@ class ClassificationTask : public Task {
       : o_(o), train_(train_set), val_(val_set), test_(test_set) {}
 
   std::string name() const override { return "classification"; }
-  std::shared_ptr<torch::nn::Module> build_model(nn::Precision precision) override {
+  std::shared_ptr<torch::nn::Module> build_model(Precision precision) override {
     model_ = models::CapsNet(o_.model);
     model_->set_fused_routing(o_.fused_routing);
     model_->set_precision(precision);
@@ -101,7 +101,7 @@ LoopOptions TrainOptions::loop_options() const {
   l.evaluate_each_epoch = evaluate_each_epoch;
   l.resume = resume;
   l.progress = progress;
-  l.precision = nn::parse_precision(precision);
+  l.precision = parse_precision(precision);
   return l;
 }
 

@@ -7,7 +7,7 @@
 
 #include "capsnet/data/mnist.h"
 #include "capsnet/train/trainer.h"
-#include "../test_helpers.h"
+#include "test_helpers.h"
 
 namespace capsnet {
 namespace {

@@ -1,6 +1,6 @@
 // EM vote operators (capsnet/ops/em.h) == their composite ATen form, in values and gradients (float32
 // and float64, one and two threads, contiguous or not); float64 finite differences; argument errors;
-// double backward refused. em_routing with and without them: tests/test_em.cpp.
+// double backward refused. em_routing with and without them: tests/apps/experiments/test_em.cpp.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -10,7 +10,7 @@
 #include <tuple>
 #include <vector>
 
-#include "../gradcheck.h"
+#include "gradcheck.h"
 #include "capsnet/ops/em.h"
 #include "capsnet/ops/routing.h"
 
@@ -78,7 +78,7 @@ TEST(EmOps, MomentsAndDistanceEqualTheCompositeForm) {
       for (int threads : {1, 2})
         for (auto isa : kIsas) {
           IsaScope isa_scope(isa);
-          capsnet::testutil::ScopedThreads scoped(threads);
+          capsnet::testing::ScopedThreads scoped(threads);
           const auto in = make_inputs(s.B, s.I, s.J, s.D, dtype, 7);
           const std::string tag = "B" + std::to_string(s.B) + " I" + std::to_string(s.I) + " J" + std::to_string(s.J) +
                                   " D" + std::to_string(s.D) + " threads " + std::to_string(threads) +
@@ -115,7 +115,7 @@ TEST(EmOps, GradientsEqualTheCompositeForm) {
       for (bool free_weights : {false, true})
         for (auto isa : kIsas) {
           IsaScope isa_scope(isa);
-          capsnet::testutil::ScopedThreads scoped(2);
+          capsnet::testing::ScopedThreads scoped(2);
           const std::string tag = "B" + std::to_string(s.B) + " I" + std::to_string(s.I) +
                                   (free_weights ? " free weights" : " M-step weights") +
                                   (dtype == torch::kFloat64 ? " f64" : " f32") + isa_name(isa);
@@ -154,9 +154,9 @@ TEST(EmOps, GradcheckFloat64) {
       auto [m, v] = em_weighted_moments(x[0], x[1]);
       return torch::cat({m.flatten(), 0.7 * v.flatten()});
     };
-    EXPECT_TRUE(capsnet::testutil::gradcheck(moments, {in.weights, in.votes})) << "free " << free_weights;
+    EXPECT_TRUE(capsnet::testing::gradcheck(moments, {in.weights, in.votes})) << "free " << free_weights;
     auto distance = [](const std::vector<torch::Tensor>& x) { return em_scaled_distance(x[0], x[1], x[2]); };
-    EXPECT_TRUE(capsnet::testutil::gradcheck(distance, {in.votes, in.mean, in.variance}));
+    EXPECT_TRUE(capsnet::testing::gradcheck(distance, {in.votes, in.mean, in.variance}));
   }
 }
 

@@ -1,0 +1,129 @@
+#pragma once
+// Training and evaluation of the conditional GANs of models/capspix2pix.h on label map -> image pairs
+// (data/label_maps.h), on the one loop (loop.h): each step updates the discriminator, then the
+// generator (pix2pix: GAN + lambda L1, Adam with beta1 = 0.5), one Adam holding both parameter groups.
+// train::Evaluation on held-out maps: L1, PSNR and SSIM to the true images, and diversity across z.
+// Figures: label | generators... | real; variations across z; interpolation between two z vectors.
+
+#include <torch/torch.h>
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "capsnet/data/label_maps.h"
+#include "capsnet/models/capsnet.h"
+#include "capsnet/models/capspix2pix.h"
+#include "capsnet/train/loop.h"
+
+namespace capsnet::experiments {
+
+struct Pix2pixTrainOptions {
+  models::Pix2pixConfig model;
+  int64_t steps = 2000;
+  int64_t batch_size = 16;
+  double lr = 2e-4;     // Adam, both networks (pix2pix)
+  double beta1 = 0.5;   // Adam's beta1 (pix2pix); beta2 = 0.999
+  uint64_t seed = 1;    // initialisation, training maps and training noise
+  uint64_t eval_seed = 7;  // the noise vectors of the evaluation and the figures
+  int64_t test_size = 500;
+  int64_t eval_batch_size = 50;
+  int64_t diversity_maps = 16;     // test maps whose samples are compared
+  int64_t diversity_samples = 8;   // z samples per map
+  int64_t log_every = 50;
+  std::string out_dir = "runs/capspix2pix";
+  bool progress = true;
+  bool fused_routing = true;
+  double max_seconds = 0;        // wall-clock training budget (0 = none)
+  int64_t checkpoint_every = 0;  // steps; 0 = only at the end
+  std::string resume;
+  std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of both networks' convolutions (losses fp32)
+
+  /// The loop's share of these options (precision resolved: "auto" becomes bf16 or fp32 on this CPU).
+  train::LoopOptions loop_options() const;
+  /// Throws std::invalid_argument naming the bad field.
+  void validate() const;
+};
+
+/// Image-quality scores; images in [0, 1]. a, b: [B, 1, H, W] (H, W >= 11 for SSIM). Returns [B] float64.
+torch::Tensor l1_per_image(const torch::Tensor& a, const torch::Tensor& b);
+/// 10 log10(1 / MSE) per image (capped at 100 dB for identical images).
+torch::Tensor psnr_per_image(const torch::Tensor& a, const torch::Tensor& b);
+/// Mean SSIM per image (Wang et al. 2004: 11x11 Gaussian window, sigma 1.5, K1 = 0.01, K2 = 0.03, data
+/// range 1, over the window positions inside the image).
+torch::Tensor ssim_per_image(const torch::Tensor& a, const torch::Tensor& b);
+/// Mean L1 over all pairs of samples. samples: [K, 1, H, W] (K >= 2) in [0, 1].
+double mean_pairwise_l1(const torch::Tensor& samples);
+
+struct Pix2pixEval {
+  int64_t examples = 0;
+  double l1 = 0, psnr = 0, ssim = 0;  // means over the test maps, images mapped to [0, 1]
+  double diversity = 0;               // mean over diversity_maps of mean_pairwise_l1 of diversity_samples
+  double seconds = 0;
+};
+
+/// Fixed standard-normal noise vectors: row k of noise(seed, first, count, Z) depends on (seed, first + k) only.
+torch::Tensor eval_noise(uint64_t seed, int64_t first, int64_t count, int64_t z_dim);
+
+/// Evaluates maps 0 .. count - 1 of `set` with z = eval_noise(eval_seed, i): no grad.
+Pix2pixEval evaluate_pix2pix(models::Pix2pix& model, const data::LabelMaps& set, int64_t count, int64_t batch_size,
+                             uint64_t eval_seed, int64_t diversity_maps, int64_t diversity_samples);
+
+/// Label consistency (pix2pix's "FCN score" idea with a classifier): the share of images of test maps
+/// 0 .. count - 1 that `classifier`, a CapsNet trained on real source images (e.g. Fashion-MNIST),
+/// assigns to the class of the map's source image. Images are mapped to [0, 1] and resized S x S ->
+/// the classifier's size (bilinear). `generated` scores generator(map, eval_noise(eval_seed, i));
+/// `real` scores the true images of the same maps: the ceiling the generator is held to.
+struct LabelConsistency {
+  int64_t examples = 0;
+  double generated = 0, real = 0;
+};
+/// std::invalid_argument when the classifier is not a one-channel model or has fewer classes than the labels.
+LabelConsistency label_consistency(models::Pix2pix& model, models::CapsNet& classifier, const data::LabelMaps& set,
+                                   int64_t count, int64_t batch_size, uint64_t eval_seed);
+
+/// The classifier's predicted classes for images in [0, 1] of any size: [B, 1, H, W] -> [B] int64.
+torch::Tensor classify_resized(models::CapsNet& classifier, const torch::Tensor& images01);
+
+struct Pix2pixTrainResult {
+  models::Pix2pix model{nullptr};
+  int64_t steps = 0;
+  double seconds = 0, images_per_second = 0;
+  std::vector<double> losses;  // generator loss of every step of this run
+  Pix2pixEval test;
+};
+
+/// Trains on the one loop (metrics.jsonl, checkpoint.pt, exact resume, NaN guard), evaluates at the end.
+Pix2pixTrainResult train_pix2pix(const Pix2pixTrainOptions& options, const data::LabelMaps& train_set,
+                                 const data::LabelMaps& test_set, std::ostream& log);
+
+/// One optimizer for both networks: group 0 = generator, group 1 = discriminator, Adam(lr, (beta1, 0.999)).
+std::unique_ptr<torch::optim::Adam> make_pix2pix_optimizer(models::Pix2pix& model, double lr, double beta1);
+
+/// One training step: discriminator update, then generator update (the same fake batch, D already
+/// updated, as pix2pix). labels [B, K, S, S], real [B, 1, S, S] in [-1, 1], z [B, Z].
+/// Returns the losses (detached) computed during the two updates.
+models::Pix2pixLosses pix2pix_step(models::Pix2pix& model, torch::optim::Optimizer& optimizer,
+                                   const torch::Tensor& labels, const torch::Tensor& real, const torch::Tensor& z);
+
+/// Loads a generator+discriminator checkpoint written by train_pix2pix (any config).
+models::Pix2pix load_pix2pix(const std::string& checkpoint);
+
+/// Maps {0, 1, 2} to grey levels 0, 0.5, 1 for figures. maps: [B, 1, S, S] int64 -> float [B, 1, S, S].
+torch::Tensor label_map_image(const torch::Tensor& maps);
+
+/// Figure: one row per test map i in [first, first + rows): label | each model's image | real, zoomed by
+/// `zoom`; z = eval_noise(eval_seed, i). Returns float [rows (S z + 2) + 2, (models + 2) (S z + 2) + 2] in [0, 1].
+torch::Tensor pix2pix_comparison_figure(std::vector<models::Pix2pix> models, const data::LabelMaps& set, int64_t first,
+                                        int64_t rows, uint64_t eval_seed, int64_t zoom = 2);
+
+/// Figure: one row per model: label of map `index` | `samples` images for different z. float in [0, 1].
+torch::Tensor pix2pix_variations_figure(std::vector<models::Pix2pix> models, const data::LabelMaps& set,
+                                        int64_t index, int64_t samples, uint64_t eval_seed, int64_t zoom = 2);
+
+/// Figure: one row per model: label of map `index` | images for z = (1 - t) z1 + t z2, t = 0 .. 1 in
+/// `steps` steps (z1, z2 from eval_noise). float in [0, 1].
+torch::Tensor pix2pix_interpolation_figure(std::vector<models::Pix2pix> models, const data::LabelMaps& set,
+                                           int64_t index, int64_t steps, uint64_t eval_seed, int64_t zoom = 2);
+
+}  // namespace capsnet::experiments

@@ -1,0 +1,128 @@
+#include "apps/experiments/classifier_task.h"
+
+#include <fmt/format.h>
+
+#include <iostream>
+#include <stdexcept>
+
+#include "capsnet/data/transforms.h"
+#include "capsnet/train/metrics.h"
+
+namespace capsnet::experiments {
+namespace {
+
+torch::Tensor accuracy_of(const torch::Tensor& predicted, const torch::Tensor& labels) {
+  return predicted.detach().eq(labels).to(torch::kFloat64).mean();
+}
+
+}  // namespace
+
+Classifier capsnet_classifier(const std::string& name, const models::CapsNetConfig& config,
+                              Precision precision) {
+  config.validate();
+  models::CapsNet model(config);
+  model->set_precision(precision);
+  Classifier c;
+  c.name = name;
+  c.module = model.ptr();
+  c.config = config.to_json();
+  c.loss = [model](const torch::Tensor& images, const torch::Tensor& labels) mutable {
+    auto out = model(images, labels);
+    auto l = model->loss(out, images, labels);  // margin + scale * SSE against the (untransformed) input
+    return train::TaskLoss{l.total, {{"accuracy", accuracy_of(out.lengths.argmax(1), labels)}}};
+  };
+  c.predict = [model](const torch::Tensor& images) mutable { return model(images).lengths.argmax(1); };
+  if (model->stn)
+    c.transformer = [model](const torch::Tensor& images) mutable { return model->stn->forward_with_theta(images); };
+  return c;
+}
+
+Classifier cnn_classifier(const std::string& name, const models::BaselineCnnConfig& config,
+                          Precision precision) {
+  config.validate();
+  models::BaselineCnn model(config);
+  model->set_precision(precision);
+  Classifier c;
+  c.name = name;
+  c.module = model.ptr();
+  c.config = config.to_json();
+  c.loss = [model](const torch::Tensor& images, const torch::Tensor& labels) mutable {
+    auto logits = model(images);  // [B, K]
+    return train::TaskLoss{model->loss(logits, labels), {{"accuracy", accuracy_of(logits.argmax(1), labels)}}};
+  };
+  c.predict = [model](const torch::Tensor& images) mutable { return model(images).argmax(1); };
+  if (model->stn)
+    c.transformer = [model](const torch::Tensor& images) mutable { return model->stn->forward_with_theta(images); };
+  return c;
+}
+
+ClassifierTask::ClassifierTask(std::function<Classifier(Precision)> make, int64_t epoch_size, bool shuffle,
+                               LabelledBatchSource source, nlohmann::json data_config, ClassifierEvaluator evaluator)
+    : make_(std::move(make)),
+      epoch_size_(epoch_size),
+      shuffle_(shuffle),
+      source_(std::move(source)),
+      data_config_(std::move(data_config)),
+      evaluator_(std::move(evaluator)) {}
+
+std::shared_ptr<torch::nn::Module> ClassifierTask::build_model(Precision precision) {
+  classifier_ = make_(precision);
+  return classifier_.module;
+}
+
+std::optional<train::Evaluation> ClassifierTask::evaluate(std::ostream* progress) {
+  if (!evaluator_) return std::nullopt;
+  return evaluator_(classifier_, progress);
+}
+
+train::Batch ClassifierTask::batch(const torch::Tensor& ids, at::Generator& gen) const {
+  auto [images, labels] = source_(ids, gen);
+  return {{images, labels}};  // [B, C, S, S], [B]
+}
+
+double classifier_accuracy(Classifier& c, const data::ImageSet& set, int64_t batch_size, std::ostream* progress,
+                           const std::string& label) {
+  if (batch_size < 1) throw std::invalid_argument(fmt::format("batch_size must be positive, got {}", batch_size));
+  torch::NoGradGuard no_grad;
+  const bool was_training = c.module->is_training();
+  c.module->eval();
+  int64_t correct = 0;
+  train::ProgressBar bar(progress ? *progress : std::cerr, c.name + " " + label, set.size(), progress != nullptr);
+  for (int64_t start = 0; start < set.size(); start += batch_size) {
+    const int64_t len = std::min(batch_size, set.size() - start);
+    auto images = data::to_float(set.images.narrow(0, start, len));  // [len, 1, S, S]
+    correct += c.predict(images).eq(set.labels.narrow(0, start, len)).sum().item<int64_t>();
+    bar.update(start + len, "");
+  }
+  const double acc = set.size() ? static_cast<double>(correct) / static_cast<double>(set.size()) : 0.0;
+  bar.finish(fmt::format("accuracy {:.2f}%", 100 * acc));
+  c.module->train(was_training);
+  return acc;
+}
+
+train::LoopOptions comparison_options(const std::string& out_dir, int64_t steps, int64_t batch_size, double lr, uint64_t seed,
+                               int64_t log_every, bool progress) {
+  train::LoopOptions o;
+  o.out_dir = out_dir;
+  o.epochs = 0;
+  o.max_steps = steps;
+  o.batch_size = batch_size;
+  o.lr = lr;
+  o.lr_decay = 1;
+  o.seed = seed;
+  o.checkpoint_every = 0;
+  o.log_every = log_every;
+  o.evaluate_each_epoch = false;
+  o.progress = progress;
+  return o;
+}
+
+double tail_mean(const std::vector<double>& values) {
+  if (values.empty()) return 0;
+  const size_t tail = std::max<size_t>(1, values.size() / 10);
+  double sum = 0;
+  for (size_t i = values.size() - tail; i < values.size(); ++i) sum += values[i];
+  return sum / static_cast<double>(tail);
+}
+
+}  // namespace capsnet::experiments

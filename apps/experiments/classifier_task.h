@@ -1,0 +1,102 @@
+#pragma once
+// Image classification by any classifier (CapsNet or the baseline CNN, with or without a spatial
+// transformer) on any labelled-image source, as a train::Task of the one loop. The comparison experiments
+// (capsnet affine, capsnet stn) train each of their models with it.
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <utility>
+
+#include "capsnet/data/mnist.h"
+#include "capsnet/models/baseline_cnn.h"
+#include "capsnet/models/capsnet.h"
+#include "capsnet/kernels/precision.h"
+#include "capsnet/nn/spatial_transformer.h"
+#include "capsnet/train/loop.h"
+
+namespace capsnet::experiments {
+
+/// What a comparison needs from a classifier, whichever it is.
+struct Classifier {
+  std::string name;
+  std::shared_ptr<torch::nn::Module> module;
+  nlohmann::json config;
+  /// Training loss on images [B, C, S, S] and labels [B], with an "accuracy" scalar.
+  std::function<train::TaskLoss(const torch::Tensor&, const torch::Tensor&)> loss;
+  /// Predicted classes [B] for images [B, C, S, S].
+  std::function<torch::Tensor(const torch::Tensor&)> predict;
+  /// The model's spatial transformer (output and theta); empty without one.
+  std::function<nn::SpatialTransformerOutput(const torch::Tensor&)> transformer;
+};
+
+/// CapsNet: margin + scaled reconstruction loss, prediction = the longest capsule; convolutions and
+/// decoder computed at `precision` (models/capsnet.h).
+Classifier capsnet_classifier(const std::string& name, const models::CapsNetConfig& config,
+                              Precision precision = Precision::kFloat32);
+/// Baseline CNN: cross-entropy, prediction = argmax of the logits; convolutions and fully connected
+/// layers computed at `precision` (models/baseline_cnn.h).
+Classifier cnn_classifier(const std::string& name, const models::BaselineCnnConfig& config,
+                          Precision precision = Precision::kFloat32);
+
+/// Labelled images [B, C, S, S] float and labels [B] for the examples `ids` of a step, drawn with the
+/// step's generator `gen` (placement, distortion).
+using LabelledBatchSource =
+    std::function<std::pair<torch::Tensor, torch::Tensor>(const torch::Tensor& ids, at::Generator& gen)>;
+
+/// A held-out evaluation of the classifier being trained (e.g. accuracy on a fixed test set), run by
+/// the loop at epoch ends; its record's "accuracy" is what train::LoopOptions::target_accuracy checks.
+using ClassifierEvaluator = std::function<train::Evaluation(Classifier&, std::ostream* progress)>;
+
+class ClassifierTask : public train::Task {
+ public:
+  /// `make` builds the classifier at the loop's precision (called by the loop after seeding);
+  /// `epoch_size` examples per epoch, visited in a shuffled order (shuffle) or as a stream;
+  /// `data_config` fixes the source for resume; `evaluator` (may be empty: nothing to evaluate) is the
+  /// end-of-epoch evaluation.
+  ClassifierTask(std::function<Classifier(Precision)> make, int64_t epoch_size, bool shuffle,
+                 LabelledBatchSource source, nlohmann::json data_config, ClassifierEvaluator evaluator = {});
+
+  std::string name() const override { return classifier_.name.empty() ? "classifier" : classifier_.name; }
+  std::shared_ptr<torch::nn::Module> build_model(Precision precision) override;
+  nlohmann::json model_config() const override { return classifier_.config; }
+  nlohmann::json data_config() const override { return data_config_; }
+  std::string describe() const override { return name(); }
+  int64_t epoch_size() const override { return epoch_size_; }
+  bool shuffle() const override { return shuffle_; }
+  train::Batch batch(const torch::Tensor& ids, at::Generator& gen) const override;
+  train::TaskLoss loss(const train::Batch& rows) override { return classifier_.loss(rows[0], rows[1]); }
+  std::optional<train::Evaluation> evaluate(std::ostream* progress) override;
+
+  /// The classifier the loop trained (valid after build_model).
+  Classifier& classifier() { return classifier_; }
+
+ private:
+  std::function<Classifier(Precision)> make_;
+  Classifier classifier_;
+  int64_t epoch_size_;
+  bool shuffle_;
+  LabelledBatchSource source_;
+  nlohmann::json data_config_;
+  ClassifierEvaluator evaluator_;
+};
+
+/// Accuracy of `c` on a uint8 image set ([N, S, S]) in eval mode, in batches; a progress bar on
+/// `progress` when not null.
+double classifier_accuracy(Classifier& c, const data::ImageSet& set, int64_t batch_size, std::ostream* progress,
+                           const std::string& label);
+
+/// Loop options of one model of a comparison: `steps` steps at a constant learning rate, a checkpoint
+/// and metrics in `out_dir`, no evaluation by the loop (the comparison scores every model on the same sets).
+train::LoopOptions comparison_options(const std::string& out_dir, int64_t steps, int64_t batch_size, double lr, uint64_t seed,
+                               int64_t log_every, bool progress);
+
+/// Mean of the last max(1, n / 10) values (the end-of-training figure of the comparisons).
+double tail_mean(const std::vector<double>& values);
+
+}  // namespace capsnet::experiments

@@ -1,0 +1,89 @@
+#pragma once
+// Training and evaluation of the matrix-capsule network (EM routing) with the spread loss
+// (Hinton, Sabour & Frosst 2018, Sec. 3.1 and 5): Adam, margin m annealed linearly 0.2 -> 0.9.
+
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "capsnet/data/mnist.h"
+#include "capsnet/models/matrix_capsnet.h"
+#include "capsnet/train/loop.h"
+
+namespace capsnet::experiments {
+
+/// The paper's spread-loss margin at the end of training (Sec. 3.1: annealed from 0.2 to 0.9); the
+/// margin at which a trained model's loss is reported.
+inline constexpr double kFinalSpreadMargin = 0.9;
+
+struct EmTrainOptions {
+  models::MatrixCapsNetConfig model;
+  std::string out_dir = "runs/em";  // metrics.jsonl and checkpoint.pt go here
+  int64_t steps = 500;
+  int64_t batch_size = 32;
+  double lr = 3e-3;             // Adam
+  double weight_decay = 0.0;    // L2 on all parameters (Adam's weight_decay)
+  double lr_decay = 1.0;        // learning rate multiplied by this once per epoch, applied smoothly per step
+                                // (1 = constant, the paper's setting: it anneals the margin instead)
+  double margin_start = 0.2;    // spread-loss margin at step 0 ...
+  double margin_end = kFinalSpreadMargin;  // ... reached at the last step (linear)
+  int64_t max_shift = 0;        // random translation of each training image, pixels in each direction (zero
+                                // padding; 0 = none, the paper's setting; 2 = CapsNet's MNIST augmentation)
+  uint64_t seed = 1;            // initialisation and the order of the training examples
+  int64_t train_size = 0;       // first examples of the training split used (0 = all)
+  int64_t test_size = 10000;    // first test examples evaluated at the end (0 = none)
+  int64_t eval_batch_size = 100;
+  int64_t log_every = 20;       // steps between "train" metric records
+  int64_t checkpoint_every = 0;  // steps; 0 = only at epoch ends and at the end
+  int64_t eval_every = 0;       // > 0: also evaluate test_size test images every this many steps (a learning curve)
+  double max_seconds = 0;       // > 0: stop after the first step past this much training time (then evaluate);
+                                // the margin schedule still spans `steps`, so it stops short of margin_end
+  std::string resume;           // checkpoint to continue from exactly ("" = start fresh)
+  bool progress = true;
+  std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of the convolutions (routing stays fp32)
+
+  /// The loop's share of these options (steps -> max_steps, lr_decay per epoch, evaluation at the end,
+  /// precision resolved: "auto" becomes bf16 or fp32 on this CPU).
+  train::LoopOptions loop_options() const;
+
+  /// Throws std::invalid_argument naming the first bad option.
+  void validate() const;
+  nlohmann::json to_json() const;
+};
+
+struct EmEval {
+  int64_t examples = 0;
+  double accuracy = 0;  // argmax of the class activations == label
+  double loss = 0;      // mean spread loss at margin m
+  double seconds = 0;
+  torch::Tensor confusion;  // [K, K] int64, rows = true label, columns = prediction
+};
+
+struct EmTrainResult {
+  models::MatrixCapsNet model{nullptr};  // as trained, in the run's precision
+  int64_t steps = 0, images_seen = 0;
+  double seconds = 0, images_per_second = 0;
+  std::vector<double> losses;  // spread loss of every step
+  double final_train_accuracy = 0;  // over the last log_every steps
+  EmEval test;                      // examples == 0 when test_size == 0 or no test set
+  std::string model_path;           // OUT/checkpoint.pt (model, Adam state, step: resumable)
+};
+
+/// Images [N, H, W] uint8 -> [N, 1, H, W] float in [0, 1].
+torch::Tensor to_input(const torch::Tensor& images);
+
+/// Evaluates the first `count` examples of `set` (all when count <= 0) without gradients.
+EmEval evaluate_em(models::MatrixCapsNet& model, const data::ImageSet& set, int64_t count, int64_t batch_size,
+                   double margin, std::ostream* progress = nullptr);
+
+/// Trains a MatrixCapsNet with Adam on `train_set` (a seeded order per epoch), spread-loss margin
+/// from spread_margin(step, steps, margin_start, margin_end), then evaluates on `test_set` (may be
+/// null). Runs on the one loop (loop.h): OUT/metrics.jsonl, OUT/checkpoint.pt, exact resume, data
+/// parallelism over `group`. Throws train::TrainingDiverged when the loss stops being finite.
+EmTrainResult train_em(const EmTrainOptions& options, const data::ImageSet& train_set, const data::ImageSet* test_set,
+                       std::ostream& log, std::shared_ptr<train::ProcessGroup> group = nullptr);
+
+}  // namespace capsnet::experiments

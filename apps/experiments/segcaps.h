@@ -1,0 +1,89 @@
+#pragma once
+// Training and evaluation of the SegCaps model on cluttered-digit segmentation (data/segmentation.h):
+// Adam on the model's loss (class-weighted binary cross-entropy of the capsule length, plus the masked
+// reconstruction regulariser when the config has one), fresh generated images every step, Dice on a
+// fixed test set, the thresholding baseline, and the input | target | prediction figure.
+
+#include <torch/torch.h>
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "capsnet/data/segmentation.h"
+#include "capsnet/models/segcaps.h"
+#include "capsnet/train/loop.h"
+
+namespace capsnet::experiments {
+
+struct SegCapsTrainOptions {
+  models::SegCapsConfig model;
+  int64_t steps = 1000;
+  int64_t batch_size = 16;
+  double lr = 1e-3;  // Adam
+  uint64_t seed = 1;  // model initialisation and training images
+  int64_t test_size = 500;
+  int64_t eval_batch_size = 50;
+  int64_t log_every = 50;
+  double threshold = 0.5;  // predicted mask = |v| > threshold
+  std::string out_dir = "runs/segcaps";
+  bool progress = true;
+  bool fused_routing = true;  // false: the composite ATen routing path (same math)
+  /// Wall-clock budget for training in seconds (0 = none): training stops after the first step that
+  /// ends past it, and the model is evaluated as it is (result.steps says how many steps ran).
+  double max_seconds = 0;
+  int64_t checkpoint_every = 0;  // steps; 0 = only at the end
+  std::string resume;            // checkpoint to continue from exactly ("" = start fresh)
+  std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of the convolutions (routing, losses fp32)
+
+  /// The loop's share of these options (steps -> max_steps, no lr decay, evaluation at the end,
+  /// precision resolved: "auto" becomes bf16 or fp32 on this CPU).
+  train::LoopOptions loop_options() const;
+  /// Throws std::invalid_argument naming the bad field.
+  void validate() const;
+};
+
+/// Segmentation quality on `count` examples of a generator.
+struct SegmentationEval {
+  int64_t examples = 0;
+  double mean_dice = 0;  // mean over images of the per-image Dice of (|v| > threshold) vs the target mask
+  double loss = 0;       // mean model loss (weighted BCE + recon_weight * masked-reconstruction MSE)
+  double seconds = 0;
+};
+
+/// Evaluates examples first_n .. first_n + count - 1 (no grad, eval mode).
+SegmentationEval evaluate_segcaps(models::SegCaps& model, const data::DigitSegmentation& set, int64_t first_n,
+                                  int64_t count, int64_t batch_size, double threshold);
+
+/// Thresholding baseline: predicted mask = input > t, Dice averaged over images.
+struct ThresholdBaseline {
+  std::vector<double> thresholds, train_dice;  // the grid and its mean Dice on the tuning examples
+  double best_threshold = 0.5;                 // argmax of train_dice
+  double test_dice_at_best = 0, test_dice_at_half = 0;
+};
+
+/// Tunes t over {0.05, 0.10, ..., 0.95} on `tune_count` examples of `tune`, reports on `count` examples of `test`.
+ThresholdBaseline threshold_baseline(const data::DigitSegmentation& tune, int64_t tune_count,
+                                     const data::DigitSegmentation& test, int64_t count);
+
+struct SegCapsTrainResult {
+  models::SegCaps model{nullptr};
+  int64_t steps = 0;  // steps actually run (fewer than options.steps when max_seconds stopped training)
+  double seconds = 0, images_per_second = 0;
+  std::vector<double> losses;  // the loss of every step of this run
+  SegmentationEval test;
+};
+
+/// Trains the model on the one loop (loop.h): OUT/metrics.jsonl ("train" records every log_every
+/// steps, an "eval" record with the test Dice at the end), OUT/checkpoint.pt, exact resume, data
+/// parallelism over `group`. Log lines go to `log`, the progress bar to stderr.
+SegCapsTrainResult train_segcaps(const SegCapsTrainOptions& options, const data::DigitSegmentation& train_set,
+                                 const data::DigitSegmentation& test_set, std::ostream& log,
+                                 std::shared_ptr<train::ProcessGroup> group = nullptr);
+
+/// Figure: one row per test example: input | target mask | probability |v| | predicted mask (|v| > threshold),
+/// each zoomed by `zoom`. Returns float [rows * (S z + 2) + 2, 4 (S z + 2) + 2] in [0, 1].
+torch::Tensor segcaps_figure(models::SegCaps& model, const data::DigitSegmentation& set, int64_t first_n, int64_t rows,
+                             double threshold, int64_t zoom = 3);
+
+}  // namespace capsnet::experiments

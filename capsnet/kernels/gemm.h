@@ -1,0 +1,26 @@
+#pragma once
+// Matrix products into strided views, by oneDNN's sgemm for fp32.
+//
+// Why: torch::mm / bmm in Debian's LibTorch 1.13 run fp32 products on OpenBLAS, whose kernels on these
+// CPUs reach 115 GFLOP/s on the spectral convolution's per-frequency products ([100, 256] x [256, 256],
+// with OPENBLAS_CORETYPE=Haswell as this machine's environment presets) where oneDNN's sgemm (the
+// libdnnl.so.2 LibTorch itself links) reaches 250 GFLOP/s; a 4096^3 product 192 vs 380 GFLOP/s
+// (docs/kernels.md, "GEMM into strided views on oneDNN sgemm"). bf16 operands go to oneDNN's matmul
+// primitive (fp32 accumulation, out in fp32 or bf16). Other dtypes (float64 references and gradchecks) use ATen.
+
+#include <torch/torch.h>
+
+namespace capsnet::kernels {
+
+/// out = alpha * a @ b + beta * out, for 2-D views a: [M, K], b: [K, N], out: [M, N] of one dtype, or
+/// bfloat16 a and b with a float32 out. Each of a and b must be row- or column-major (one stride 1); out
+/// row-major (stride 1 on its last axis).
+/// beta = 0 ignores out's contents (NaN included).
+void gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, double alpha = 1.0,
+               double beta = 0.0);
+
+/// The same product per leading index: a: [F, M, K], b: [F, K, N], out: [F, M, N] (each matrix as above).
+void batched_gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, double alpha = 1.0,
+                       double beta = 0.0);
+
+}  // namespace capsnet::kernels

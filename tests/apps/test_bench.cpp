@@ -1,0 +1,177 @@
+// capsnet bench: the in-process measurement (apps::run_benchmark) and the side-by-side CLI driver,
+// including the plain-PyTorch peer (Debian's /usr/bin/python3 + python3-torch, installed by setup.sh).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "apps/benchmark.h"
+#include "test_helpers.h"
+
+namespace capsnet {
+namespace {
+
+using testing::run_command;
+const std::string kCli = CAPSNET_CLI;
+
+apps::BenchOptions tiny_bench() {
+  apps::BenchOptions o;
+  o.model = testing::tiny_config();
+  o.batch_size = 4;
+  o.warmup_steps = 1;
+  o.steps = 2;
+  o.infer_batches = 1;
+  o.latency_runs = 2;
+  return o;
+}
+
+TEST(BenchmarkTest, MeasuresPositiveFiniteFiguresForBothRoutingPaths) {
+  for (bool fused : {true, false}) {
+    auto o = tiny_bench();
+    o.fused_routing = fused;
+    const auto r = apps::run_benchmark(o);
+    for (double x : {r.train_img_s, r.infer_img_s, r.latency_b1_ms, r.train_peak_rss_mb}) {
+      EXPECT_TRUE(std::isfinite(x)) << "fused=" << fused;
+      EXPECT_GT(x, 0) << "fused=" << fused;
+    }
+    // The peak is reset to the current RSS just before training, so the growth can't be negative.
+    EXPECT_GE(r.train_rss_growth_mb, -0.5) << "fused=" << fused;
+    const auto j = r.to_json();
+    EXPECT_DOUBLE_EQ(j.at("train_img_s").get<double>(), r.train_img_s);
+    EXPECT_DOUBLE_EQ(j.at("latency_b1_ms").get<double>(), r.latency_b1_ms);
+    EXPECT_DOUBLE_EQ(j.at("latency_b1_p90_ms").get<double>(), r.latency_b1_p90_ms);
+    EXPECT_GE(r.latency_b1_p90_ms, r.latency_b1_ms) << "fused=" << fused;  // p90 of the same runs >= their median
+  }
+}
+
+TEST(BenchmarkTest, QuantileIsTheNearestRank) {
+  const std::vector<double> ten = {10, 1, 9, 2, 8, 3, 7, 4, 6, 5};
+  EXPECT_EQ(apps::quantile(ten, 0.9), 9);  // ceil(0.9 * 10) = 9th smallest
+  EXPECT_EQ(apps::quantile(ten, 0.5), 5);
+  EXPECT_EQ(apps::quantile(ten, 1.0), 10);
+  EXPECT_EQ(apps::quantile(ten, 0.01), 1);
+  EXPECT_EQ(apps::quantile({3, 1, 2}, 0.9), 3);  // ceil(2.7) = 3rd
+  EXPECT_THROW(apps::quantile({}, 0.5), c10::Error);
+  EXPECT_THROW(apps::quantile({1}, 0), c10::Error);
+}
+
+TEST(BenchmarkTest, PeakRssResetsAndTracksAnAllocation) {
+  apps::reset_peak_rss();
+  const double before = apps::peak_rss_mb();
+  {
+    // 64 MB, touched so it is resident.
+    std::vector<char> block(64 << 20, 1);
+    EXPECT_GE(apps::rss_mb(), before + 50);
+    EXPECT_GE(apps::peak_rss_mb(), before + 50);
+  }
+  apps::reset_peak_rss();
+  // After the reset the peak is the current RSS again (allocator caches may keep some of the block).
+  EXPECT_NEAR(apps::peak_rss_mb(), apps::rss_mb(), 1.0);
+}
+
+TEST(BenchmarkTest, MedianOfOddAndEvenCounts) {
+  EXPECT_DOUBLE_EQ(apps::median({3, 1, 2}), 2.0);
+  EXPECT_DOUBLE_EQ(apps::median({4, 1, 3, 2}), 2.5);
+  EXPECT_THROW(apps::median({}), c10::Error);
+}
+
+TEST(BenchmarkTest, RejectsNonPositiveCounts) {
+  auto o = tiny_bench();
+  o.steps = 0;
+  EXPECT_THROW(apps::run_benchmark(o), c10::Error);
+  o = tiny_bench();
+  o.batch_size = 0;
+  EXPECT_THROW(apps::run_benchmark(o), c10::Error);
+}
+
+TEST(BenchCliTest, RunsFusedReferenceAndPeerSideBySideAndWritesJsonLines) {
+  testing::TempDir dir;
+  const std::string jsonl = dir / "bench.jsonl";
+  auto r = run_command(kCli + " bench --batch-size 2 --steps 1 --infer-batches 1 --latency-runs 1 --repeats 1" +
+                       " --jsonl " + jsonl);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("fused vs peer: training"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fused vs reference: training"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fused vs peer-tuned: training"), std::string::npos) << r.output;
+
+  std::ifstream in(jsonl);
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+  // fused-bf16 runs too where the CPU computes bf16 natively.
+  const auto expected = cpu_has_native_bf16()
+                            ? std::vector<std::string>{"fused", "fused-bf16", "reference", "peer", "peer-tuned",
+                                                       "peer-tuned-bf16"}
+                            : std::vector<std::string>{"fused", "reference", "peer", "peer-tuned"};
+  ASSERT_EQ(lines.size(), expected.size() + 1);  // one per configuration, then the summary
+  std::vector<std::string> configs;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    configs.push_back(lines[i].at("config").get<std::string>());
+    EXPECT_EQ(lines[i].at("batch_size").get<int64_t>(), 2);
+    EXPECT_GT(lines[i].at("train_img_s").get<double>(), 0);
+    EXPECT_GT(lines[i].at("train_peak_rss_mb").get<double>(), 0);
+  }
+  EXPECT_EQ(configs, expected);
+  if (cpu_has_native_bf16()) {
+    EXPECT_NE(r.output.find("fused-bf16 vs fused: training"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("fused-bf16 vs peer-tuned-bf16: training"), std::string::npos) << r.output;
+  }
+  const auto& summary = lines.back();
+  ASSERT_TRUE(summary.at("summary").get<bool>());
+  const double fused = summary.at("median").at("fused").at("train_img_s").get<double>();
+  const double peer = summary.at("median").at("peer").at("train_img_s").get<double>();
+  EXPECT_NEAR(summary.at("ratios").at("fused/peer").at("train_speedup").get<double>(), fused / peer, 1e-9);
+  // Achieved GFLOP/s: 3 forward passes per trained image, against the GEMM probe of the same run.
+  const double gflop = summary.at("forward_gflop_per_image").get<double>();
+  EXPECT_NEAR(summary.at("gflops").at("fused").at("train").get<double>(), 3 * gflop * fused, 1e-6);
+  EXPECT_GT(summary.at("gemm_gflops").at("fp32").get<double>(), 0);
+  EXPECT_NE(r.output.find("achieved GFLOP/s"), std::string::npos) << r.output;
+}
+
+TEST(BenchmarkTest, ForwardFlopsOfThePaperModelAddUpByHand) {
+  // Conv1 2*20^2*256*81 + PrimaryCaps 2*6^2*256*(81*256) + u_hat 2*1152*10*16*8 + routing 4*1152*10*16*3
+  // + decoder 2*(160*512 + 512*1024 + 1024*784).
+  const double expected = 16588800.0 + 382205952.0 + 2949120.0 + 2211840.0 + 2818048.0;
+  EXPECT_DOUBLE_EQ(apps::forward_flops_per_image(models::CapsNetConfig{}), expected);
+  models::CapsNetConfig no_decoder;
+  no_decoder.reconstruction = false;
+  EXPECT_DOUBLE_EQ(apps::forward_flops_per_image(no_decoder), expected - 2818048.0);
+  // The probe measures something: a small product takes positive, finite time.
+  const double g = apps::gemm_gflops(torch::kFloat, 64, 2);
+  EXPECT_GT(g, 0);
+  EXPECT_TRUE(std::isfinite(g));
+}
+
+TEST(BenchCliTest, OnednnCountsModeCountsTheConvolutionsOfATrainingStep) {
+  // fp32: Conv1's forward and weight gradient (the images need no input gradient); PrimaryCaps runs
+  // through DFTs and oneDNN's sgemm (kernels/spectral_conv.h), which traces no convolution. Counted from
+  // ONEDNN_VERBOSE as a difference of two traced runs.
+  auto r = run_command(kCli + " bench --onednn-counts --configs fused --batch-size 2 --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::istringstream lines(r.output);
+  std::string line, last_json;
+  while (std::getline(lines, line))
+    if (!line.empty() && line.front() == '{') last_json = line;
+  ASSERT_FALSE(last_json.empty()) << r.output;
+  const auto j = nlohmann::json::parse(last_json);
+  const auto& fused = j.at("configs").at("fused");
+  const double conv = fused.at("convolution_per_step").get<double>();
+  EXPECT_EQ(conv, std::round(conv)) << "a step runs whole primitives";
+  EXPECT_EQ(conv, 2) << r.output;
+  EXPECT_GE(fused.at("reorder_per_step").get<double>(), 0);
+  EXPECT_EQ(j.at("batch_size").get<int64_t>(), 2);
+}
+
+TEST(BenchCliTest, UnknownConfigurationAndMissingPythonAreClearErrors) {
+  auto r = run_command(kCli + " bench --configs fused,tensorflow");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("tensorflow"), std::string::npos) << r.output;
+  r = run_command(kCli + " bench --configs peer --python /nonexistent/python3");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("/nonexistent/python3"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace capsnet
