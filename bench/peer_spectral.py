@@ -327,23 +327,7 @@ class SpectralCapsNet(peer_tuned.TunedCapsNet):
                 p = conv2d_spectral(h.to(torch.bfloat16) if bf16 else h.float(), w, self.primary.bias, (2, 2))
         else:
             p = self._primary_inference(h)                               # [B, 256, 6, 6]
-        # From here on peer_tuned.TunedCapsNet.forward, unchanged.
-        with torch.autocast("cpu", enabled=False):                       # capsule part in fp32
-            p = p.float()
-            uT = p.permute(0, 2, 3, 1).reshape(B, 36, 32, D_IN).permute(1, 2, 0, 3).reshape(I_CAPS, B, D_IN)
-            uT = squash(uT)
-            W = self.W.float()
-            if torch.is_grad_enabled() and (uT.requires_grad or W.requires_grad):
-                v = CapsRouting.apply(uT, W, self.iters)
-            else:
-                uh = torch.bmm(uT, W).view(I_CAPS, B, J_CAPS, D_OUT).permute(1, 2, 0, 3).contiguous()
-                v, _ = route_forward(uh.view(B * J_CAPS, I_CAPS, D_OUT), B, self.iters, keep=False)
-            lengths = torch.sqrt((v * v).sum(-1))
-            if y is None:
-                y = lengths.argmax(dim=1)
-            masked = (v * F.one_hot(y, J_CAPS).to(v.dtype).unsqueeze(-1)).reshape(B, J_CAPS * D_OUT)
-        recon = self.decoder(masked)
-        return lengths, recon
+        return self.capsules(p, y)                                    # as peer_tuned.TunedCapsNet
 
 
 # ----------------------------------------------------------------------------------------------- --check

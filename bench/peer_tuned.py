@@ -198,6 +198,11 @@ class TunedCapsNet(nn.Module):
                 p = PrimaryConvBF16.apply(h, self.primary.weight, self.primary.bias, 2)
         else:
             p = self.primary(h)                                          # [B, 256, 6, 6]
+        return self.capsules(p, y)
+
+    def capsules(self, p, y):
+        """PrimaryCaps' output p [B, 256, 6, 6] -> (lengths [B, 10], reconstruction): squash, routing, decoder."""
+        B = p.shape[0]
         with torch.autocast("cpu", enabled=False):                       # capsule part in fp32
             p = p.float()
             # [B, 256, 6, 6] -> [B, 6, 6, 32, 8] -> [I, B, 8] (one small copy)
