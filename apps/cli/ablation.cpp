@@ -31,7 +31,8 @@ struct Flags {
   uint64_t seed = 1;
   bool no_progress = false, fresh = false, overwrite = false;
   int threads = 0;
-  std::string precision = "auto";  // fp32 | bf16 | auto, every sub-run's
+  std::string precision = "auto";  // --precision: fp32 | bf16 | auto, every sub-run's
+  Precision resolved = Precision::kFloat32;  // what it means on this CPU, parsed once before the runs
 };
 
 // Paper, Table 1 (MNIST test error %, mean of 3 trials); r = 2 and r = 5 were not reported.
@@ -47,7 +48,7 @@ nlohmann::json run_settings(const Flags& f, int64_t r, bool reconstruction) {
   return {{"routing_iterations", r}, {"reconstruction", reconstruction}, {"epochs", f.epochs},
           {"steps", f.steps},        {"batch_size", f.batch_size},       {"train_limit", f.train_limit},
           {"test_limit", f.test_limit}, {"seed", f.seed},
-          {"precision", precision_name(parse_precision(f.precision))}};
+          {"precision", precision_name(f.resolved)}};
 }
 
 // Files that mark a sub-run folder as holding an earlier run (check_run_dir).
@@ -140,7 +141,7 @@ int run(const Flags& f) {
     o.seed = f.seed;
     o.checkpoint_every = 0;
     o.progress = !f.no_progress;
-    o.precision = f.precision;
+    o.precision = f.resolved;
     o.validate();
     std::ostringstream log;
     auto t = train::train(o, train_set, &test_set, log);
@@ -215,7 +216,7 @@ Subcommand add_ablation(CLI::App& root) {
           "run's settings: a finished run made under another precision is not reused");
   add_threads_flag(*app, f->threads);
   return {app, [f]() {
-            note_precision_choice(f->precision);
+            f->resolved = precision_from_flag(f->precision);
             if (f->threads > 0) set_threads(f->threads);
             return run(*f);
           }};

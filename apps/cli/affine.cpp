@@ -27,6 +27,7 @@
 #include "capsnet/viz/figures.h"
 #include "capsnet/viz/png.h"
 #include "apps/cli/commands.h"
+#include "apps/cli/comparison.h"
 
 namespace capsnet::apps::cli {
 namespace {
@@ -37,13 +38,11 @@ using Clock = std::chrono::steady_clock;
 
 struct Flags {
   DataFlags data;
-  std::string out_dir = "runs/affine", model = "both", precision = "auto";
-  int64_t steps = 200, epochs = 0, batch_size = 32, train_limit = 0, test_limit = 2000, max_shift = 6,
-          eval_batch_size = 100, log_every = 25, checkpoint_every = 500;
-  double lr = 1e-3, lr_decay = 1, target_accuracy = 0;
-  uint64_t seed = 1, test_seed = 2017;
-  bool cnn_no_pool = false, no_progress = false, resume = false;
-  int threads = 0;
+  ComparisonFlags train;  // defaults: 200 steps of 32
+  std::string out_dir = "runs/affine", model = "both";
+  int64_t train_limit = 0, test_limit = 2000, max_shift = 6;
+  uint64_t test_seed = 2017;
+  bool cnn_no_pool = false;
 };
 
 experiments::Classifier make_classifier(const std::string& name, const Flags& f, Precision precision) {
@@ -56,66 +55,6 @@ experiments::Classifier make_classifier(const std::string& name, const Flags& f,
   c.image_size = kCanvas;
   c.pooling = !f.cnn_no_pool;
   return experiments::cnn_classifier(name, c, precision);
-}
-
-/// The loop options of one model: a fixed number of steps at a constant rate (the quick comparison),
-/// or whole epochs with an evaluation on the translated test set after each, stopping at the target
-/// accuracy when one is given (the paper's protocol: train each model until it reaches ~99.2%).
-train::LoopOptions loop_options(const Flags& f, const std::string& run_dir, Precision precision) {
-  auto o = experiments::comparison_options(run_dir, f.steps, f.batch_size, f.lr, f.seed, f.log_every, !f.no_progress);
-  o.precision = precision;
-  if (f.epochs > 0) {
-    o.epochs = f.epochs;
-    o.max_steps = 0;
-    o.lr_decay = f.lr_decay;
-    o.evaluate_each_epoch = true;
-    o.target_accuracy = f.target_accuracy;
-    o.checkpoint_every = f.checkpoint_every;
-  }
-  return o;
-}
-
-/// What a model's run directory says about its training so far (all its resumed parts together).
-struct SubRunLog {
-  int64_t step = 0, images = 0;
-  double seconds = 0;
-  bool target_reached = false;
-  nlohmann::json curve = nlohmann::json::array();  // [{epoch, step, accuracy}] of the epoch-end evaluations
-};
-
-SubRunLog read_sub_run(const std::string& run_dir) {
-  SubRunLog log;
-  std::ifstream in(train::metrics_path(run_dir));
-  std::string line;
-  // Each part (a "start" record) adds its training seconds. A part stopped by a signal writes no "end":
-  // its seconds come from its last "train" record, whose images_per_second is this part's images over
-  // its training seconds (so steps after its last checkpoint, redone by the resume, count as spent).
-  double part_seconds = 0;
-  int64_t part_first_image = 0;
-  while (std::getline(in, line)) {
-    const auto j = train::parse_json_or_discarded(line);
-    if (!j.is_object() || !j.contains("event")) continue;
-    const auto event = j["event"];
-    if (event == "start") {
-      log.seconds += part_seconds;
-      part_seconds = 0;
-      const auto train = j.value("train", nlohmann::json::object());
-      part_first_image = j.value("step", int64_t{0}) * train.value("batch_size", int64_t{0});
-    } else if (event == "train") {
-      log.images = j.value("images_seen", log.images);
-      const double rate = j.value("images_per_second", 0.0);
-      if (rate > 0) part_seconds = static_cast<double>(log.images - part_first_image) / rate;
-    } else if (event == "eval") {
-      log.curve.push_back({{"epoch", j.value("epoch", 0.0)}, {"step", j.value("step", 0)},
-                           {"accuracy", j.value("accuracy", 0.0)}});
-    } else if (event == "end") {
-      log.step = j.value("step", log.step);
-      part_seconds = j.value("seconds", part_seconds);
-      log.target_reached = j.value("target_reached", false);
-    }
-  }
-  log.seconds += part_seconds;
-  return log;
 }
 
 /// Rows of centred test digits above their affNIST-style versions: [rows * 42 + 2, 12 * 42 + 2].
@@ -135,26 +74,26 @@ torch::Tensor example_figure(const data::ImageSet& test, const data::ImageSet& w
 }
 
 int run(const Flags& f) {
-  if (f.threads > 0) set_threads(f.threads);
-  const auto precision = parse_precision(f.precision);
-  note_precision_choice(f.precision);
-  if (f.steps <= 0) throw std::invalid_argument(fmt::format("--steps must be positive, got {}", f.steps));
-  if (f.target_accuracy > 0 && f.epochs == 0)
-    throw std::invalid_argument("--target-accuracy needs --epochs (the most epochs to spend reaching it)");
+  const auto& t = f.train;
+  if (t.threads > 0) set_threads(t.threads);
+  const auto precision = precision_from_flag(t.precision);
   if (f.max_shift < 0 || f.max_shift > (kCanvas - 28) / 2)
     throw std::invalid_argument(fmt::format("--max-shift must be in [0, 6] for a 40x40 canvas, got {}", f.max_shift));
   std::vector<std::string> names;
   if (f.model == "capsnet" || f.model == "both") names.push_back("capsnet");
   if (f.model == "cnn" || f.model == "both") names.push_back("cnn");
 
-  auto train_set = data::take(data::load_mnist(f.data.resolved(), data::Split::kTrain), f.train_limit);
+  auto all_train = data::take(data::load_mnist(f.data.resolved(), data::Split::kTrain), f.train_limit);
   auto test_set = data::take(data::load_mnist(f.data.resolved(), data::Split::kTest), f.test_limit);
-  if (train_set.images.size(1) != 28 || train_set.images.size(2) != 28)
-    throw std::invalid_argument(fmt::format("expected 28x28 MNIST images, got {}x{}", train_set.images.size(1),
-                                            train_set.images.size(2)));
-  if (f.batch_size > train_set.size())
-    throw std::invalid_argument(fmt::format("--batch-size {} is larger than the {} training images", f.batch_size,
-                                            train_set.size()));
+  if (all_train.images.size(1) != 28 || all_train.images.size(2) != 28)
+    throw std::invalid_argument(fmt::format("expected 28x28 MNIST images, got {}x{}", all_train.images.size(1),
+                                            all_train.images.size(2)));
+  t.validate(all_train.size());
+  // The validation split: the last --val training digits, placed like the translated test set (their own
+  // placements, the same for every training seed).
+  const auto [train_set, val_source] = data::split_tail(all_train, t.validation_size);
+  const auto validation =
+      t.validation_size > 0 ? data::translated_set(val_source, f.test_seed + 1, kCanvas, 6) : data::ImageSet{};
   std::filesystem::create_directories(f.out_dir);
 
   std::cerr << fmt::format("building the test sets from {} MNIST test images (seed {}) ...\n", test_set.size(),
@@ -166,27 +105,17 @@ int run(const Flags& f) {
   auto figure = example_figure(test_set, affine, 24);
   viz::write_png_gray(figure_path, figure);
 
-  train::JsonLinesWriter metrics(f.out_dir + "/metrics.jsonl", /*truncate=*/!f.resume);
-  nlohmann::json options = {{"model", f.model},       {"steps", f.steps},           {"batch_size", f.batch_size},
-                            {"lr", f.lr},             {"seed", f.seed},             {"test_seed", f.test_seed},
-                            {"max_shift", f.max_shift}, {"train_examples", train_set.size()},
-                            {"test_examples", test_set.size()}, {"threads", at::get_num_threads()},
-                            {"canvas", kCanvas},      {"precision", precision_name(precision)}};
-  if (f.epochs > 0) {
-    options["epochs"] = f.epochs;
-    options["lr_decay"] = f.lr_decay;
-    options["target_accuracy"] = f.target_accuracy;
-    options.erase("steps");
-  }
-  metrics.write({{"event", "start"}, {"options", options}, {"resume", f.resume}});
+  train::JsonLinesWriter metrics(f.out_dir + "/metrics.jsonl", /*truncate=*/!t.resume);
+  nlohmann::json options = t.to_json();
+  options.update({{"model", f.model}, {"test_seed", f.test_seed}, {"max_shift", f.max_shift},
+                  {"train_examples", train_set.size()}, {"test_examples", test_set.size()},
+                  {"threads", at::get_num_threads()}, {"canvas", kCanvas}, {"precision", precision_name(precision)}});
+  metrics.write({{"event", "start"}, {"options", options}, {"resume", t.resume}});
 
-  // The end-of-epoch evaluation (epoch mode): the translated test set, which the target refers to.
-  const experiments::ClassifierEvaluator evaluate_translated = [&](experiments::Classifier& c, std::ostream* progress) {
-    const double acc = experiments::classifier_accuracy(c, translated, f.eval_batch_size, progress, "translated test");
-    return train::Evaluation{
-        {{"split", "translated_mnist"}, {"accuracy", acc}, {"error", 1 - acc}, {"examples", translated.size()}},
-        fmt::format("translated test accuracy {:.2f}% ({} images)", 100 * acc, translated.size())};
-  };
+  // The end-of-epoch evaluation (epoch mode): the translated test set, which the target refers to
+  // without a validation split (the paper's protocol).
+  const auto evaluate_translated =
+      experiments::accuracy_evaluator(translated, "translated_mnist", "translated test", t.eval_batch_size);
 
   nlohmann::json results = nlohmann::json::array();
   std::vector<std::string> rows;
@@ -201,32 +130,21 @@ int run(const Flags& f) {
           return std::make_pair(images, train_set.labels.index_select(0, ids));  // labels [B]
         },
         nlohmann::json{{"train_examples", train_set.size()}, {"max_shift", f.max_shift}, {"canvas", kCanvas}},
-        f.epochs > 0 ? evaluate_translated : experiments::ClassifierEvaluator{});
+        t.epochs > 0 ? evaluate_translated : experiments::ClassifierEvaluator{});
+    if (t.validation_size > 0)
+      task.set_validation(experiments::accuracy_evaluator(validation, "val", "validation", t.eval_batch_size));
     const auto run_dir = f.out_dir + "/" + name;
-    auto o = loop_options(f, run_dir, precision);
-    const auto ckpt = train::checkpoint_path(run_dir);
-    const bool resuming = f.resume && std::filesystem::exists(ckpt);
-    if (resuming) o.resume = ckpt;
-    if (resuming && read_sub_run(run_dir).target_reached) {
-      // Done in an earlier part: load its weights for the final evaluation instead of training on.
-      std::cerr << fmt::format("{}: reached its target in an earlier run; loading {}\n", name, ckpt);
-      torch::manual_seed(o.seed);
-      auto module = task.build_model(precision);
-      train::load_checkpoint(ckpt, *module, nullptr,
-                             [&](const nlohmann::json& saved) { return task.config_matches(saved); });
-    } else {
-      train::run(task, o, std::cerr);
-    }
-    const auto stats = read_sub_run(run_dir);  // every part of this model's run, resumed or not
+    const auto trained = train_or_resume(task, t, run_dir, precision);
+    const auto& stats = trained.log;  // every part of this model's run, resumed or not
     auto& r = task.classifier();
     const int64_t parameters = models::count_parameters(*r.module);
     metrics.write({{"event", "model"}, {"model", r.name}, {"parameters", parameters}, {"config", r.config},
                    {"run", run_dir}});
     const auto t_eval = Clock::now();
-    std::ostream* progress = f.no_progress ? nullptr : &std::cerr;
+    std::ostream* progress = t.no_progress ? nullptr : &std::cerr;
     const double acc_translated =
-        experiments::classifier_accuracy(r, translated, f.eval_batch_size, progress, "translated test");
-    const double acc_affine = experiments::classifier_accuracy(r, affine, f.eval_batch_size, progress, "affNIST-style test");
+        experiments::classifier_accuracy(r, translated, t.eval_batch_size, progress, "translated test");
+    const double acc_affine = experiments::classifier_accuracy(r, affine, t.eval_batch_size, progress, "affNIST-style test");
     const double eval_seconds = train::seconds_since(t_eval);
     for (const auto& [split, acc] : {std::pair<std::string, double>{"translated_mnist", acc_translated},
                                      std::pair<std::string, double>{"affnist_style", acc_affine}})
@@ -245,18 +163,19 @@ int run(const Flags& f) {
                           {"train_seconds", stats.seconds},
                           {"train_images_per_second", stats.seconds > 0 ? stats.images / stats.seconds : 0.0},
                           {"run", run_dir},
+                          {"scored_checkpoint", trained.scored},
                           {"translated_mnist_accuracy", acc_translated},
                           {"affnist_style_accuracy", acc_affine},
                           {"eval_seconds", eval_seconds}};
-    if (f.epochs > 0) {
-      row["epoch_curve"] = stats.curve;
-      row["target_accuracy"] = f.target_accuracy;
+    if (t.epochs > 0 || t.validation_size > 0) row["epoch_curve"] = stats.curve;
+    if (t.epochs > 0) {
+      row["target_accuracy"] = t.target_accuracy;
       row["target_reached"] = stats.target_reached;
     }
     results.push_back(row);
     rows.push_back(fmt::format("{:<8} {:>11} {:>6} {:>8} {:>8.1f} {:>13.2f}% {:>17.2f}%{}", r.name, parameters,
                                stats.step, stats.images, stats.seconds, 100 * acc_translated, 100 * acc_affine,
-                               f.target_accuracy > 0 && !stats.target_reached ? "  (target not reached)" : ""));
+                               t.target_accuracy > 0 && !stats.target_reached ? "  (target not reached)" : ""));
   }
   metrics.write({{"event", "end"}});
 
@@ -308,30 +227,7 @@ Subcommand add_affine(CLI::App& root) {
   app->add_option("--model", f->model, "Which model(s) to train")
       ->check(CLI::IsMember({"capsnet", "cnn", "both"}))
       ->capture_default_str();
-  app->add_option("--steps", f->steps, "Optimizer steps per model (ignored with --epochs)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app->add_option("--epochs", f->epochs,
-                  "Train each model for up to this many epochs, evaluating it on the translated test set after "
-                  "each (0 = --steps steps, no evaluation until the end)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app->add_option("--target-accuracy", f->target_accuracy,
-                  "With --epochs: stop a model at the first epoch whose translated-test accuracy reaches this "
-                  "fraction (the paper's protocol: 0.99; 0 = train all the epochs)")
-      ->capture_default_str();
-  app->add_option("--lr-decay", f->lr_decay, "With --epochs: learning-rate factor per epoch, in (0, 1]")
-      ->capture_default_str();
-  app->add_option("--checkpoint-every", f->checkpoint_every,
-                  "With --epochs: steps between checkpoints (also at epoch ends)")
-      ->capture_default_str();
-  app->add_flag("--resume", f->resume,
-                "Continue each model exactly from OUT/<model>/checkpoint.pt where there is one (same options); "
-                "a model that reached --target-accuracy is only evaluated");
-  add_training_precision_flag(*app, f->precision);
-  app->add_option("--batch-size", f->batch_size, "Batch size")->check(CLI::PositiveNumber)->capture_default_str();
-  app->add_option("--lr", f->lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
-  app->add_option("--seed", f->seed, "Seed of initialisation, batch order and placements")->capture_default_str();
+  add_comparison_flags(*app, f->train, "the translated test set");
   app->add_option("--test-seed", f->test_seed, "Seed of the two generated test sets")->capture_default_str();
   app->add_option("--max-shift", f->max_shift, "Training placement: shift from the centre, pixels per axis (<= 6)")
       ->check(CLI::Range(0, 6))
@@ -341,16 +237,8 @@ Subcommand add_affine(CLI::App& root) {
   app->add_option("--test-limit", f->test_limit, "Build the test sets from the first N test images (0 = all)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app->add_option("--eval-batch-size", f->eval_batch_size, "Evaluation batch size")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app->add_option("--log-every", f->log_every, "Steps between metrics records")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
   app->add_flag("--cnn-no-pool", f->cnn_no_pool,
                 "Baseline CNN without max-pooling (the 35.4M-parameter variant at 28x28; 69.7M at 40x40)");
-  app->add_flag("--no-progress", f->no_progress, "No progress bars");
-  add_threads_flag(*app, f->threads);
   return {app, [f]() { return run(*f); }};
 }
 

@@ -34,6 +34,7 @@ int64_t count(const std::vector<torch::Tensor>& params) {
 Subcommand add_capspix2pix(CLI::App& root) {
   struct Flags {
     experiments::Pix2pixTrainOptions o;
+    std::string precision;  // --precision, parsed into o.precision
     data::LabelMapOptions maps;
     DataFlags data;
     uint64_t test_seed = 1001;
@@ -87,7 +88,7 @@ Subcommand add_capspix2pix(CLI::App& root) {
                   "(and the same for the real images, the ceiling)");
   app->add_flag("--composite-routing", f->composite_routing,
                 "Route with the composite ATen path instead of the fused operator (same math)");
-  add_training_precision_flag(*app, f->o.precision);
+  add_training_precision_flag(*app, f->precision);
   app->get_option("--precision")
       ->description(
           "Compute precision of the generator's and the discriminator's convolutions (plain, transposed, capsule "
@@ -97,7 +98,7 @@ Subcommand add_capspix2pix(CLI::App& root) {
 
   return {app, [f]() {
             auto& o = f->o;
-            note_precision_choice(o.precision);
+            o.precision = precision_from_flag(f->precision);
             o.progress = !f->loop.no_progress;
             o.resume = f->loop.resume;
             o.max_seconds = 60 * f->max_minutes;

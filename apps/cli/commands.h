@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 
 #include "capsnet/data/image_folder.h"
+#include "capsnet/kernels/precision.h"
 
 #include <functional>
 #include <optional>
@@ -44,7 +45,7 @@ void add_precision_flag(CLI::App& app, std::string& precision);
 /// The same flag with the default auto, for the training commands.
 void add_training_precision_flag(CLI::App& app, std::string& precision);
 /// One line on stderr when auto falls back to fp32 on a CPU without native bf16.
-void note_precision_choice(const std::string& precision);
+Precision precision_from_flag(const std::string& precision);
 
 /// Attaches the documented range of every numeric flag (cli/limits.cpp) to the commands of `app`;
 /// std::logic_error when a numeric flag has none (a developer's omission, caught by any test run).

@@ -32,10 +32,11 @@ void add_training_precision_flag(CLI::App& app, std::string& precision) {
   add_precision_flag(app, precision);
 }
 
-void note_precision_choice(const std::string& precision) {
+Precision precision_from_flag(const std::string& precision) {
   if (precision == "auto" && !cpu_has_native_bf16())
     std::cerr << "note: --precision auto: this CPU has no native bf16 arithmetic (AVX512_BF16 or AMX), "
                  "computing in fp32\n";
+  return parse_precision(precision);
 }
 
 void write_text_file(const std::string& path, const std::string& text) {

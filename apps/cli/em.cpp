@@ -22,6 +22,7 @@ namespace capsnet::apps::cli {
 Subcommand add_em(CLI::App& root) {
   struct Flags {
     experiments::EmTrainOptions o;
+    std::string precision;  // --precision, parsed into o.precision
     DataFlags data;
     LoopFlags loop;
     double max_minutes = 0;
@@ -134,7 +135,7 @@ Subcommand add_em(CLI::App& root) {
                   "schedule still spans --steps)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  add_training_precision_flag(*app, o.precision);
+  add_training_precision_flag(*app, f->precision);
   app->get_option("--precision")
       ->description(
           "Compute precision of the convolutions (Conv1, PrimaryCaps): fp32, bf16 (AVX512_BF16/AMX CPUs; fp32 "
@@ -143,7 +144,7 @@ Subcommand add_em(CLI::App& root) {
 
   return {app, [f]() {
             auto& o = f->o;
-            note_precision_choice(o.precision);
+            o.precision = precision_from_flag(f->precision);
             o.progress = !f->loop.no_progress;
             o.resume = f->loop.resume;
             o.max_seconds = 60 * f->max_minutes;

@@ -30,6 +30,7 @@ constexpr const char* kOverlapDefinition =
 
 struct Flags {
   experiments::MultiMnistTrainOptions o;
+  std::string precision;  // --precision, parsed into o.precision
   DataFlags data;
   std::string checkpoint;
   uint64_t test_seed = 1001;
@@ -230,13 +231,13 @@ Subcommand add_multimnist(CLI::App& root) {
   app->add_option("--figure-wrong", f->figure_wrong, "Misclassified test pairs in the figure")
       ->check(CLI::Range(0, 100))
       ->capture_default_str();
-  add_training_precision_flag(*app, f->o.precision);
+  add_training_precision_flag(*app, f->precision);
   add_loop_flags(*app, f->loop);
 
   return {
       app, [f, app]() {
         auto& o = f->o;
-        note_precision_choice(o.precision);
+        o.precision = precision_from_flag(f->precision);
         f->overlay_given = app->get_option("--overlay")->count() > 0;
         o.progress = !f->loop.no_progress;
         o.resume = f->loop.resume;

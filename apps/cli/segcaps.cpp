@@ -46,6 +46,7 @@ std::optional<double> parse_pos_weight(const std::string& text) {
 Subcommand add_segcaps(CLI::App& root) {
   struct Flags {
     experiments::SegCapsTrainOptions o;
+    std::string precision;  // --precision, parsed into o.precision
     data::DigitSegmentationOptions d;
     DataFlags data;
     uint64_t test_seed = 1001;
@@ -129,7 +130,7 @@ Subcommand add_segcaps(CLI::App& root) {
                 "Route with the composite ATen path instead of the fused operator (same math)");
   app->add_option("--checkpoint-every", f->o.checkpoint_every, "Steps between checkpoints (0 = at the end)")
       ->capture_default_str();
-  add_training_precision_flag(*app, f->o.precision);
+  add_training_precision_flag(*app, f->precision);
   app->get_option("--precision")
       ->description(
           "Compute precision of the convolutions (stem, every capsule layer's (transposed) convolution, the "
@@ -140,7 +141,7 @@ Subcommand add_segcaps(CLI::App& root) {
   return {
       app, [f]() {
         auto& o = f->o;
-        note_precision_choice(o.precision);
+        o.precision = precision_from_flag(f->precision);
         o.progress = !f->loop.no_progress;
         o.resume = f->loop.resume;
         o.max_seconds = 60 * f->max_minutes;

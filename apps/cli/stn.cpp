@@ -22,6 +22,7 @@
 #include "capsnet/viz/figures.h"
 #include "capsnet/viz/png.h"
 #include "apps/cli/commands.h"
+#include "apps/cli/comparison.h"
 
 namespace capsnet::apps::cli {
 namespace {
@@ -31,14 +32,13 @@ constexpr int64_t kCanvas = data::kDistortedCanvas;
 using Clock = std::chrono::steady_clock;
 
 struct Flags {
+  Flags() { train.steps = 300; }
   DataFlags data;
-  std::string out_dir = "runs/stn", model = "both", stn = "both", precision = "auto";
-  int64_t steps = 300, batch_size = 32, train_limit = 0, test_limit = 2000, eval_batch_size = 100, log_every = 25,
-          figure_examples = 12;
-  double lr = 1e-3;
-  uint64_t seed = 1, test_seed = 2015;
-  bool small = false, no_progress = false;
-  int threads = 0;
+  ComparisonFlags train;  // defaults: 300 steps of 32
+  std::string out_dir = "runs/stn", model = "both", stn = "both";
+  int64_t train_limit = 0, test_limit = 2000, figure_examples = 12;
+  uint64_t test_seed = 2015;
+  bool small = false;
 };
 
 /// One cell of the grid: model x (with / without STN).
@@ -114,44 +114,45 @@ std::vector<RunSpec> grid(const Flags& f) {
 }
 
 int run(const Flags& f) {
-  if (f.threads > 0) set_threads(f.threads);
-  const auto precision = parse_precision(f.precision);
-  note_precision_choice(f.precision);
-  if (f.steps <= 0) throw std::invalid_argument(fmt::format("--steps must be positive, got {}", f.steps));
-  if (f.batch_size <= 0) throw std::invalid_argument(fmt::format("--batch-size must be positive, got {}", f.batch_size));
+  const auto& t = f.train;
+  if (t.threads > 0) set_threads(t.threads);
+  const auto precision = precision_from_flag(t.precision);
   if (f.model != "capsnet" && f.model != "cnn" && f.model != "both")
     throw std::invalid_argument("--model must be capsnet, cnn or both, got '" + f.model + "'");
   if (f.stn != "on" && f.stn != "off" && f.stn != "both")
     throw std::invalid_argument("--stn must be on, off or both, got '" + f.stn + "'");
   const auto specs = grid(f);
 
-  auto train_set = data::take(data::load_mnist(f.data.resolved(), data::Split::kTrain), f.train_limit);
+  auto all_train = data::take(data::load_mnist(f.data.resolved(), data::Split::kTrain), f.train_limit);
   auto test_source = data::take(data::load_mnist(f.data.resolved(), data::Split::kTest), f.test_limit);
-  if (train_set.images.size(1) > kCanvas || train_set.images.size(2) > kCanvas)
-    throw std::invalid_argument(fmt::format("images of {}x{} do not fit the {}x{} canvas", train_set.images.size(1),
-                                            train_set.images.size(2), kCanvas, kCanvas));
+  if (all_train.images.size(1) > kCanvas || all_train.images.size(2) > kCanvas)
+    throw std::invalid_argument(fmt::format("images of {}x{} do not fit the {}x{} canvas", all_train.images.size(1),
+                                            all_train.images.size(2), kCanvas, kCanvas));
+  t.validate(all_train.size());
+  // The training stream draws its digits from all but the last --val training images; those, distorted
+  // once with their own seed (the same for every training seed), are the validation split.
+  const auto [train_set, val_source] = data::split_tail(all_train, t.validation_size);
   std::filesystem::create_directories(f.out_dir);
 
   const data::DistortionRanges ranges;
   std::cerr << fmt::format("building the distorted test set from {} test images (seed {}) ...\n", test_source.size(),
                            f.test_seed);
   const auto test_set = data::distorted_set(test_source, f.test_seed, kCanvas, ranges);
+  const auto validation =
+      t.validation_size > 0 ? data::distorted_set(val_source, f.test_seed + 1, kCanvas, ranges) : data::ImageSet{};
 
-  train::JsonLinesWriter metrics(f.out_dir + "/metrics.jsonl", /*truncate=*/true);
-  nlohmann::json options = {{"model", f.model},
-                            {"stn", f.stn},
-                            {"steps", f.steps},
-                            {"batch_size", f.batch_size},
-                            {"precision", precision_name(precision)},
-                            {"lr", f.lr},
-                            {"seed", f.seed},
-                            {"test_seed", f.test_seed},
-                            {"small", f.small},
-                            {"train_examples", train_set.size()},
-                            {"test_examples", test_set.size()},
-                            {"threads", at::get_num_threads()},
-                            {"canvas", kCanvas}};
-  metrics.write({{"event", "start"}, {"options", options}});
+  train::JsonLinesWriter metrics(f.out_dir + "/metrics.jsonl", /*truncate=*/!t.resume);
+  nlohmann::json options = t.to_json();
+  options.update({{"model", f.model},
+                  {"stn", f.stn},
+                  {"precision", precision_name(precision)},
+                  {"test_seed", f.test_seed},
+                  {"small", f.small},
+                  {"train_examples", train_set.size()},
+                  {"test_examples", test_set.size()},
+                  {"threads", at::get_num_threads()},
+                  {"canvas", kCanvas}});
+  metrics.write({{"event", "start"}, {"options", options}, {"resume", t.resume}});
 
   std::vector<std::unique_ptr<experiments::ClassifierTask>> tasks;
   nlohmann::json results = nlohmann::json::array();
@@ -160,21 +161,22 @@ int run(const Flags& f) {
     tasks.push_back(std::make_unique<experiments::ClassifierTask>(
         [&f, spec](Precision p) { return make_classifier(spec, f, p); }, train_set.size(), /*shuffle=*/false,
         [&](const torch::Tensor& ids, at::Generator&) {
-          auto b = data::distorted_batch(train_set, f.seed, ids[0].item<int64_t>(), ids.size(0), kCanvas, ranges);
+          auto b = data::distorted_batch(train_set, t.seed, ids[0].item<int64_t>(), ids.size(0), kCanvas, ranges);
           return std::make_pair(b.images, b.labels);  // [B, 1, 42, 42], [B]
         },
         nlohmann::json{{"train_examples", train_set.size()}, {"canvas", kCanvas}}));
     auto& task = *tasks.back();
+    if (t.validation_size > 0)
+      task.set_validation(experiments::accuracy_evaluator(validation, "val", "validation", t.eval_batch_size));
     const auto run_dir = f.out_dir + "/" + spec.name();
-    auto o = experiments::comparison_options(run_dir, f.steps, f.batch_size, f.lr, f.seed, f.log_every, !f.no_progress);
-    o.precision = precision;
-    const auto trained = train::run(task, o, std::cerr);
+    const auto trained = train_or_resume(task, t, run_dir, precision);
+    const auto& stats = trained.log;  // every part of this model's run, resumed or not
     auto& r = task.classifier();
     const int64_t parameters = models::count_parameters(*r.module);
     metrics.write({{"event", "model"}, {"model", r.name}, {"parameters", parameters}, {"config", r.config},
                    {"run", run_dir}});
     const auto t_eval = Clock::now();
-    const double acc = experiments::classifier_accuracy(r, test_set, f.eval_batch_size, f.no_progress ? nullptr : &std::cerr,
+    const double acc = experiments::classifier_accuracy(r, test_set, t.eval_batch_size, t.no_progress ? nullptr : &std::cerr,
                                                   "distorted test");
     const double eval_seconds = train::seconds_since(t_eval);
     metrics.write({{"event", "eval"}, {"model", r.name}, {"split", "distorted_mnist"}, {"accuracy", acc},
@@ -184,17 +186,18 @@ int run(const Flags& f) {
                           {"stn", spec.stn},
                           {"parameters", parameters},
                           {"config", r.config},
-                          {"steps", trained.end_step},
-                          {"training_images_seen", trained.images},
-                          {"train_seconds", trained.seconds},
-                          {"train_images_per_second", trained.images_per_second},
-                          {"final_train_loss", experiments::tail_mean(trained.losses)},
-                          {"final_train_accuracy", experiments::tail_mean(trained.accuracies)},
+                          {"steps", stats.step},
+                          {"training_images_seen", stats.images},
+                          {"train_seconds", stats.seconds},
+                          {"train_images_per_second", stats.seconds > 0 ? stats.images / stats.seconds : 0.0},
+                          {"final_train_accuracy", stats.final_train_accuracy},
+                          {"scored_checkpoint", trained.scored},
+                          {"curve", stats.curve},
                           {"test_accuracy", acc},
                           {"test_error", 1 - acc},
                           {"eval_seconds", eval_seconds},
                           {"run", run_dir}};
-    if (r.transformer) row["theta"] = theta_stats(r, test_set, f.eval_batch_size);
+    if (r.transformer) row["theta"] = theta_stats(r, test_set, t.eval_batch_size);
     results.push_back(row);
   }
   metrics.write({{"event", "end"}});
@@ -228,9 +231,10 @@ int run(const Flags& f) {
   write_text_file(f.out_dir + "/stn.json", train::dump_json(report, 2) + "\n");
 
   std::string table = fmt::format(
-      "Distorted MNIST (rotation ±45°, scale 0.7–1.2, translation in 42×42; our generator), {} steps × batch {} "
+      "Distorted MNIST (rotation ±45°, scale 0.7–1.2, translation in 42×42; our generator), {} of batch {} "
       "per run, seed {}, {} test digits (seed {}){}.\n\n",
-      f.steps, f.batch_size, f.seed, test_set.size(), f.test_seed, f.small ? ", --small models" : "");
+      t.epochs > 0 ? fmt::format("{} epochs", t.epochs) : fmt::format("{} steps", t.steps), t.batch_size, t.seed,
+      test_set.size(), f.test_seed, f.small ? ", --small models" : "");
   table += "| model | STN | parameters | train s | img/s | final train acc | test accuracy | test error | mean |θ−I| | mean det |\n";
   table += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   std::cout << fmt::format("{:<12} {:>11} {:>6} {:>8} {:>10} {:>10}\n", "run", "parameters", "steps", "train s",
@@ -275,31 +279,18 @@ Subcommand add_stn(CLI::App& root) {
   app->add_option("--stn", f->stn, "Spatial transformer: on, off or both (the 2x2 grid with --model both)")
       ->check(CLI::IsMember({"on", "off", "both"}))
       ->capture_default_str();
-  app->add_option("--steps", f->steps, "Optimizer steps per run")->check(CLI::PositiveNumber)->capture_default_str();
-  app->add_option("--batch-size", f->batch_size, "Batch size")->check(CLI::PositiveNumber)->capture_default_str();
-  app->add_option("--lr", f->lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
-  app->add_option("--seed", f->seed, "Seed of initialisation and of the distorted training stream")
-      ->capture_default_str();
+  add_comparison_flags(*app, f->train, "nothing (the test set is scored at the end only)");
   app->add_option("--test-seed", f->test_seed, "Seed of the distorted test set")->capture_default_str();
   app->add_option("--train-limit", f->train_limit, "Draw training digits from the first N images only (0 = all)")
       ->check(CLI::NonNegativeNumber);
   app->add_option("--test-limit", f->test_limit, "Build the test set from the first N test images (0 = all)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app->add_option("--eval-batch-size", f->eval_batch_size, "Evaluation batch size")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app->add_option("--log-every", f->log_every, "Steps between metrics records")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
   app->add_option("--figure-examples", f->figure_examples, "Test digits in stn_transforms.png per STN run")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app->add_flag("--small", f->small,
                 "Narrower models for CPU budgets: CapsNet conv1 64 channels, 16 primary types; CNN 64/64/32 channels");
-  app->add_flag("--no-progress", f->no_progress, "No progress bars");
-  add_training_precision_flag(*app, f->precision);
-  add_threads_flag(*app, f->threads);
   return {app, [f]() { return run(*f); }};
 }
 

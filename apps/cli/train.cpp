@@ -35,6 +35,7 @@ SchedulePreset schedule_preset(const std::string& name) {
 Subcommand add_train(CLI::App& root) {
   struct Flags {
     train::TrainOptions o;
+    std::string precision;  // --precision, parsed into o.precision
     DataFlags data;
     int64_t train_limit = 0, test_limit = 0;
     bool no_reconstruction = false, stop_routing_grad = false, no_eval = false, composite_routing = false;
@@ -84,7 +85,7 @@ Subcommand add_train(CLI::App& root) {
                 "Treat coupling coefficients c_ij as constants in backprop (default: full gradient)");
   app->add_flag("--composite-routing", f->composite_routing,
                 "Route with plain tensor ops instead of the fused operator (same math; slower, more memory)");
-  add_training_precision_flag(*app, f->o.precision);
+  add_training_precision_flag(*app, f->precision);
   app->add_flag("--no-reconstruction", f->no_reconstruction, "No decoder and no reconstruction loss");
   app->add_flag("--stn", f->o.model.stn, "Spatial transformer in front of the CapsNet (identity at init)");
   app->add_option("--max-shift", f->o.max_shift, "Random shift augmentation, pixels")
@@ -105,7 +106,7 @@ Subcommand add_train(CLI::App& root) {
   add_loop_flags(*app, f->loop);
 
   return {app, [f, app]() {
-            note_precision_choice(f->o.precision);
+            f->o.precision = precision_from_flag(f->precision);
             const auto preset = schedule_preset(f->schedule);
             f->o.lr_schedule = f->lr_schedule.empty() ? preset.lr_schedule : train::parse_lr_schedule(f->lr_schedule);
             if (!app->count("--lr")) f->o.lr = preset.lr;

@@ -44,7 +44,7 @@ train::LoopOptions Pix2pixTrainOptions::loop_options() const {
   l.resume = resume;
   l.progress = progress;
   l.max_seconds = max_seconds;
-  l.precision = parse_precision(precision);
+  l.precision = precision;
   return l;
 }
 

@@ -14,6 +14,7 @@
 #include "capsnet/data/label_maps.h"
 #include "capsnet/models/capsnet.h"
 #include "capsnet/models/capspix2pix.h"
+#include "capsnet/kernels/precision.h"
 #include "capsnet/train/loop.h"
 
 namespace capsnet::experiments {
@@ -37,7 +38,7 @@ struct Pix2pixTrainOptions {
   double max_seconds = 0;        // wall-clock training budget (0 = none)
   int64_t checkpoint_every = 0;  // steps; 0 = only at the end
   std::string resume;
-  std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of both networks' convolutions (losses fp32)
+  Precision precision = Precision::kFloat32;  // compute type of both networks' convolutions (losses fp32)
 
   /// The loop's share of these options (precision resolved: "auto" becomes bf16 or fp32 on this CPU).
   train::LoopOptions loop_options() const;

@@ -75,6 +75,11 @@ std::optional<train::Evaluation> ClassifierTask::evaluate(std::ostream* progress
   return evaluator_(classifier_, progress);
 }
 
+std::optional<train::Evaluation> ClassifierTask::evaluate_validation(std::ostream* progress) {
+  if (!validator_) return std::nullopt;
+  return validator_(classifier_, progress);
+}
+
 train::Batch ClassifierTask::batch(const torch::Tensor& ids, at::Generator& gen) const {
   auto [images, labels] = source_(ids, gen);
   return {{images, labels}};  // [B, C, S, S], [B]
@@ -98,6 +103,16 @@ double classifier_accuracy(Classifier& c, const data::ImageSet& set, int64_t bat
   bar.finish(fmt::format("accuracy {:.2f}%", 100 * acc));
   c.module->train(was_training);
   return acc;
+}
+
+ClassifierEvaluator accuracy_evaluator(const data::ImageSet& set, const std::string& split, const std::string& label,
+                                       int64_t batch_size) {
+  return [&set, split, label, batch_size](Classifier& c, std::ostream* progress) {
+    const double acc = classifier_accuracy(c, set, batch_size, progress, label);
+    return train::Evaluation{
+        {{"split", split}, {"accuracy", acc}, {"error", 1 - acc}, {"examples", set.size()}},
+        fmt::format("{} accuracy {:.2f}% ({} images)", label, 100 * acc, set.size())};
+  };
 }
 
 train::LoopOptions comparison_options(const std::string& out_dir, int64_t steps, int64_t batch_size, double lr, uint64_t seed,

@@ -53,6 +53,11 @@ using LabelledBatchSource =
 /// the loop at epoch ends; its record's "accuracy" is what train::LoopOptions::target_accuracy checks.
 using ClassifierEvaluator = std::function<train::Evaluation(Classifier&, std::ostream* progress)>;
 
+/// An evaluator scoring accuracy on a fixed image set (held by reference: it must outlive the evaluator);
+/// its record: {"split": split, "accuracy", "error", "examples"}, its summary "<label> accuracy A% (N images)".
+ClassifierEvaluator accuracy_evaluator(const data::ImageSet& set, const std::string& split, const std::string& label,
+                                       int64_t batch_size);
+
 class ClassifierTask : public train::Task {
  public:
   /// `make` builds the classifier at the loop's precision (called by the loop after seeding);
@@ -61,6 +66,10 @@ class ClassifierTask : public train::Task {
   /// end-of-epoch evaluation.
   ClassifierTask(std::function<Classifier(Precision)> make, int64_t epoch_size, bool shuffle,
                  LabelledBatchSource source, nlohmann::json data_config, ClassifierEvaluator evaluator = {});
+
+  /// Evaluation on a validation split held out of the training data (run before `evaluator` at the same
+  /// points): the loop keeps the best-validation checkpoint as best.pt and checks the target accuracy on it.
+  void set_validation(ClassifierEvaluator validator) { validator_ = std::move(validator); }
 
   std::string name() const override { return classifier_.name.empty() ? "classifier" : classifier_.name; }
   std::shared_ptr<torch::nn::Module> build_model(Precision precision) override;
@@ -72,6 +81,7 @@ class ClassifierTask : public train::Task {
   train::Batch batch(const torch::Tensor& ids, at::Generator& gen) const override;
   train::TaskLoss loss(const train::Batch& rows) override { return classifier_.loss(rows[0], rows[1]); }
   std::optional<train::Evaluation> evaluate(std::ostream* progress) override;
+  std::optional<train::Evaluation> evaluate_validation(std::ostream* progress) override;
 
   /// The classifier the loop trained (valid after build_model).
   Classifier& classifier() { return classifier_; }
@@ -83,7 +93,7 @@ class ClassifierTask : public train::Task {
   bool shuffle_;
   LabelledBatchSource source_;
   nlohmann::json data_config_;
-  ClassifierEvaluator evaluator_;
+  ClassifierEvaluator evaluator_, validator_;
 };
 
 /// Accuracy of `c` on a uint8 image set ([N, S, S]) in eval mode, in batches; a progress bar on

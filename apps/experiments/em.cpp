@@ -45,7 +45,7 @@ nlohmann::json EmTrainOptions::to_json() const {
           {"margin_end", margin_end},     {"max_shift", max_shift}, {"seed", seed},           {"train_size", train_size},
           {"test_size", test_size},       {"eval_batch_size", eval_batch_size}, {"log_every", log_every},
           {"checkpoint_every", checkpoint_every}, {"eval_every", eval_every}, {"max_seconds", max_seconds},
-          {"precision", precision_name(parse_precision(precision))}};
+          {"precision", precision_name(precision)}};
 }
 
 torch::Tensor to_input(const torch::Tensor& images) {
@@ -191,7 +191,7 @@ train::LoopOptions EmTrainOptions::loop_options() const {
   l.resume = resume;
   l.progress = progress;
   l.max_seconds = max_seconds;
-  l.precision = parse_precision(precision);
+  l.precision = precision;
   return l;
 }
 

@@ -11,6 +11,7 @@
 
 #include "capsnet/data/mnist.h"
 #include "capsnet/models/matrix_capsnet.h"
+#include "capsnet/kernels/precision.h"
 #include "capsnet/train/loop.h"
 
 namespace capsnet::experiments {
@@ -43,7 +44,7 @@ struct EmTrainOptions {
                                 // the margin schedule still spans `steps`, so it stops short of margin_end
   std::string resume;           // checkpoint to continue from exactly ("" = start fresh)
   bool progress = true;
-  std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of the convolutions (routing stays fp32)
+  Precision precision = Precision::kFloat32;  // compute type of the convolutions (routing stays fp32)
 
   /// The loop's share of these options (steps -> max_steps, lr_decay per epoch, evaluation at the end,
   /// precision resolved: "auto" becomes bf16 or fp32 on this CPU).

@@ -335,7 +335,7 @@ train::LoopOptions MultiMnistTrainOptions::loop_options() const {
   l.eval_every = eval_every;
   l.resume = resume;
   l.progress = progress;
-  l.precision = parse_precision(precision);
+  l.precision = precision;
   return l;
 }
 

@@ -14,6 +14,7 @@
 #include "capsnet/data/multimnist.h"
 #include "capsnet/models/baseline_cnn.h"
 #include "capsnet/models/capsnet.h"
+#include "capsnet/kernels/precision.h"
 #include "capsnet/train/loop.h"
 
 namespace capsnet::experiments {
@@ -45,7 +46,7 @@ struct MultiMnistTrainOptions {
   bool progress = true;
   bool fused_routing = true;
   std::string resume;              // checkpoint to continue from exactly ("" = start fresh)
-  std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of the convolutions and decoder
+  Precision precision = Precision::kFloat32;  // compute type of the convolutions and decoder
 
   /// The loop's share of these options (steps -> max_steps; the test pairs are evaluated at the end).
   train::LoopOptions loop_options() const;

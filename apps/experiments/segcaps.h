@@ -12,6 +12,7 @@
 
 #include "capsnet/data/segmentation.h"
 #include "capsnet/models/segcaps.h"
+#include "capsnet/kernels/precision.h"
 #include "capsnet/train/loop.h"
 
 namespace capsnet::experiments {
@@ -34,7 +35,7 @@ struct SegCapsTrainOptions {
   double max_seconds = 0;
   int64_t checkpoint_every = 0;  // steps; 0 = only at the end
   std::string resume;            // checkpoint to continue from exactly ("" = start fresh)
-  std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of the convolutions (routing, losses fp32)
+  Precision precision = Precision::kFloat32;  // compute type of the convolutions (routing, losses fp32)
 
   /// The loop's share of these options (steps -> max_steps, no lr decay, evaluation at the end,
   /// precision resolved: "auto" becomes bf16 or fp32 on this CPU).

@@ -115,4 +115,13 @@ ImageSet take(const ImageSet& set, int64_t n) {
   return {set.images.narrow(0, 0, n), set.labels.narrow(0, 0, n), set.class_names};
 }
 
+std::pair<ImageSet, ImageSet> split_tail(const ImageSet& set, int64_t n) {
+  if (n < 0 || n >= set.size())
+    throw std::invalid_argument(fmt::format("a hold-out of {} leaves no examples of {}", n, set.size()));
+  const int64_t keep = set.size() - n;
+  ImageSet head{set.images.narrow(0, 0, keep), set.labels.narrow(0, 0, keep), set.class_names};
+  ImageSet tail{set.images.narrow(0, keep, n), set.labels.narrow(0, keep, n), set.class_names};
+  return {head, tail};
+}
+
 }  // namespace capsnet::data

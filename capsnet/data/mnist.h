@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace capsnet::data {
@@ -46,5 +47,9 @@ const std::vector<std::string>& class_names(const std::string& dataset);
 
 /// The first `n` examples (all of them when n <= 0 or n >= size); class names are kept.
 ImageSet take(const ImageSet& set, int64_t n);
+
+/// A fixed hold-out split, the same for every seed: (the first size - n examples, the last n examples);
+/// the second is empty when n == 0. Throws std::invalid_argument when n < 0 or n >= size.
+std::pair<ImageSet, ImageSet> split_tail(const ImageSet& set, int64_t n);
 
 }  // namespace capsnet::data

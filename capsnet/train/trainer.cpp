@@ -101,7 +101,7 @@ LoopOptions TrainOptions::loop_options() const {
   l.evaluate_each_epoch = evaluate_each_epoch;
   l.resume = resume;
   l.progress = progress;
-  l.precision = parse_precision(precision);
+  l.precision = precision;
   return l;
 }
 
@@ -138,13 +138,7 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
     throw std::invalid_argument(fmt::format("validation_size {} leaves no training examples of {}",
                                             options.validation_size, train_set.size()));
   // The split: the first n - V examples train, the last V validate (a fixed split, the same for every seed).
-  const int64_t n_train = train_set.size() - options.validation_size;
-  auto rows = [&](int64_t begin, int64_t count) {
-    return data::ImageSet{train_set.images.narrow(0, begin, count), train_set.labels.narrow(0, begin, count),
-                          train_set.class_names};
-  };
-  const auto fit = options.validation_size > 0 ? rows(0, n_train) : train_set;
-  const auto val = options.validation_size > 0 ? rows(n_train, options.validation_size) : data::ImageSet{};
+  const auto [fit, val] = data::split_tail(train_set, options.validation_size);
   ClassificationTask task(options, fit, options.validation_size > 0 ? &val : nullptr, test_set);
   auto r = run(task, options.loop_options(), log, std::move(group));
   TrainResult result;

@@ -44,7 +44,7 @@ struct TrainOptions {
   std::string resume;         // checkpoint path to continue from ("" = start fresh)
   bool progress = true;
   bool fused_routing = true;  // the fused routing operator (false: composite ops; same math)
-  std::string precision = "fp32";  // fp32 | bf16 | auto: compute type of the convolutions and decoder
+  Precision precision = Precision::kFloat32;  // compute type of the convolutions and decoder
   /// How the data became model inputs, kept in the checkpoint for predict / eval / serve (image folders:
   /// {"image_fit": "resize" | "pad", "data": DIR}). The training set's class names are stored beside it.
   nlohmann::json data_info = nlohmann::json::object();

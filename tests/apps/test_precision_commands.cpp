@@ -183,7 +183,7 @@ TEST(EmPrecision, CheckpointOfABf16RunLoadsIntoAnFp32Model) {
   o.test_size = 0;
   o.log_every = 1;
   o.progress = false;
-  o.precision = "bf16";
+  o.precision = Precision::kBFloat16;
   std::ostringstream log;
   auto r = experiments::train_em(o, set, nullptr, log);
   EXPECT_EQ(r.model->precision(), Precision::kBFloat16);
@@ -262,7 +262,7 @@ TEST(SegCapsPrecision, CheckpointOfABf16RunLoadsIntoAnFp32Model) {
   o.eval_batch_size = 2;
   o.log_every = 1;
   o.progress = false;
-  o.precision = "bf16";
+  o.precision = Precision::kBFloat16;
   std::ostringstream log;
   auto r = experiments::train_segcaps(o, train_set, test_set, log);
   EXPECT_EQ(r.model->precision(), Precision::kBFloat16);
@@ -365,7 +365,7 @@ TEST(Pix2pixPrecision, CheckpointOfABf16RunLoadsIntoAnFp32Model) {
   o.diversity_samples = 2;
   o.log_every = 1;
   o.progress = false;
-  o.precision = "bf16";
+  o.precision = Precision::kBFloat16;
   std::ostringstream log;
   auto r = experiments::train_pix2pix(o, train_set, test_set, log);
   EXPECT_EQ(r.model->precision(), Precision::kBFloat16);

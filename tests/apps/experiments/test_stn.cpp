@@ -8,8 +8,12 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "capsnet/data/distorted.h"
+#include "capsnet/data/mnist.h"
+#include "capsnet/data/transforms.h"
 #include "capsnet/models/baseline_cnn.h"
 #include "capsnet/models/capsnet.h"
 #include "capsnet/nn/spatial_transformer.h"
@@ -398,13 +402,81 @@ TEST(StnCliTest, BadOptionsFailNamingTheOption) {
   const std::string cli = CAPSNET_CLI, base = cli + " stn --data " + data_dir + " --out " + (dir / "o");
   for (const auto& [args, needle] : std::vector<std::pair<std::string, std::string>>{
            {" --model resnet", "--model"}, {" --stn maybe", "--stn"}, {" --steps 0", "--steps"},
-           {" --batch-size -1", "--batch-size"}}) {
+           {" --batch-size -1", "--batch-size"}, {" --val 8", "--val 8 must leave training images"},
+           {" --target-accuracy 0.9", "--target-accuracy needs --epochs"}}) {
     auto r = testing::run_command(base + args);
     EXPECT_NE(r.status, 0) << args;
     EXPECT_NE(r.output.find(needle), std::string::npos) << args << ": " << r.output;
   }
   auto r = testing::run_command(cli + " stn --data " + (dir / "missing") + " --out " + (dir / "o") + " --steps 1");
   EXPECT_NE(r.status, 0);
+}
+
+/// The "eval" records of one model's run, in order: (split, step, accuracy).
+std::vector<std::tuple<std::string, int64_t, double>> evals_of(const std::string& run_dir) {
+  std::vector<std::tuple<std::string, int64_t, double>> out;
+  std::ifstream in(run_dir + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.value("event", "") == "eval") out.emplace_back(j["split"], j["step"], j["accuracy"]);
+  }
+  return out;
+}
+
+// --val: the validation split is scored after every epoch, the model scored on the test set is the
+// best-validation checkpoint (its accuracy recomputed here from best.pt), and a run continued with
+// --resume ends exactly where one uninterrupted run does.
+TEST(StnCliTest, AValidationSplitPicksTheScoredCheckpointAndRunsResumeExactly) {
+  testing::TempDir dir;
+  const std::string data_dir = dir / "mnist";
+  testing::write_fake_mnist(data_dir, 40, 10);
+  const std::string cli = CAPSNET_CLI;
+  const auto command = [&](const std::string& out, int epochs, const std::string& extra) {
+    return cli + " stn --data " + data_dir + " --out " + out + " --model cnn --stn on --small --val 8 --epochs " +
+           std::to_string(epochs) + " --batch-size 8 --lr 3e-3 --test-limit 10 --precision fp32 --no-progress"
+           " --threads 1" + extra;
+  };
+  const std::string whole = dir / "whole", parts = dir / "parts";
+  auto r = testing::run_command(command(whole, 3, ""));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto evals = evals_of(whole + "/cnn+stn");  // 32 training images: 4 steps per epoch
+  ASSERT_EQ(evals.size(), 3u);
+  double best = -1;
+  int64_t best_step = 0;
+  for (size_t k = 0; k < evals.size(); ++k) {
+    const auto& [split, step, acc] = evals[k];
+    EXPECT_EQ(split, "val");
+    EXPECT_EQ(step, 4 * static_cast<int64_t>(k + 1));
+    if (acc > best) best = acc, best_step = step;
+  }
+  const auto row = nlohmann::json::parse(read_all(whole + "/stn.json"))["results"][0];
+  EXPECT_EQ(row["scored_checkpoint"].get<std::string>().rfind("best.pt (step " + std::to_string(best_step) + ",", 0),
+            0u)
+      << row["scored_checkpoint"];
+
+  // The test accuracy is best.pt's: load it into the same model and score the same distorted test set.
+  models::BaselineCnnConfig c;
+  c.image_size = data::kDistortedCanvas;
+  c.conv1_channels = 64, c.conv2_channels = 64, c.conv3_channels = 32;
+  c.stn = true;
+  models::BaselineCnn model(c);
+  train::load_checkpoint(whole + "/cnn+stn/best.pt", *model, nullptr, [](const nlohmann::json&) { return true; });
+  model->eval();
+  const auto test = data::distorted_set(data::take(data::load_mnist(data_dir, data::Split::kTest), 10), 2015);
+  torch::NoGradGuard no_grad;
+  const double acc = model(data::to_float(test.images)).argmax(1).eq(test.labels).to(torch::kDouble).mean().item<double>();
+  EXPECT_DOUBLE_EQ(row["test_accuracy"].get<double>(), acc);
+
+  // Two epochs, then a third with --resume: the same validation curve and the same scored model.
+  r = testing::run_command(command(parts, 2, ""));
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = testing::run_command(command(parts, 3, " --resume"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(evals_of(parts + "/cnn+stn"), evals);
+  const auto resumed = nlohmann::json::parse(read_all(parts + "/stn.json"))["results"][0];
+  EXPECT_EQ(resumed["test_accuracy"], row["test_accuracy"]);
+  EXPECT_EQ(resumed["scored_checkpoint"], row["scored_checkpoint"]);
+  EXPECT_EQ(resumed["steps"], 12);
 }
 
 TEST(StnCliTest, TrainAcceptsStnAndStoresItInTheCheckpoint) {
