@@ -34,7 +34,7 @@ int64_t count(const std::vector<torch::Tensor>& params) {
 Subcommand add_capspix2pix(CLI::App& root) {
   struct Flags {
     experiments::Pix2pixTrainOptions o;
-    std::string precision;  // --precision, parsed into o.precision
+    std::string precision;  // --precision, parsed into o.loop.precision
     data::LabelMapOptions maps;
     DataFlags data;
     uint64_t test_seed = 1001;
@@ -56,13 +56,13 @@ Subcommand add_capspix2pix(CLI::App& root) {
       ->check(CLI::IsMember({"caps", "cnn"}))
       ->capture_default_str();
   add_data_flags(*app, f->data);
-  app->add_option("--out", f->o.out_dir, "Output directory")->capture_default_str();
-  app->add_option("--steps", f->o.steps, "Training steps (each: one D and one G update on newly generated maps)")
+  app->add_option("--out", f->o.loop.out_dir, "Output directory")->capture_default_str();
+  app->add_option("--steps", f->o.loop.max_steps, "Training steps (each: one D and one G update on newly generated maps)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app->add_option("--batch-size", f->o.batch_size, "Training batch size")->capture_default_str();
-  app->add_option("--lr", f->o.lr, "Adam learning rate of both networks (beta1 = 0.5)")->capture_default_str();
-  app->add_option("--seed", f->o.seed, "Seed of the initialisation, the training maps and the training noise")
+  app->add_option("--batch-size", f->o.loop.batch_size, "Training batch size")->capture_default_str();
+  app->add_option("--lr", f->o.loop.lr, "Adam learning rate of both networks (beta1 = 0.5)")->capture_default_str();
+  app->add_option("--seed", f->o.loop.seed, "Seed of the initialisation, the training maps and the training noise")
       ->capture_default_str();
   app->add_option("--test-seed", f->test_seed, "Seed of the held-out maps (from the test split)")
       ->capture_default_str();
@@ -74,8 +74,8 @@ Subcommand add_capspix2pix(CLI::App& root) {
   app->add_option("--max-minutes", f->max_minutes,
                   "Wall-clock training budget in minutes (0 = none); the model is evaluated where it stopped")
       ->capture_default_str();
-  app->add_option("--log-every", f->o.log_every, "Steps between metrics records")->capture_default_str();
-  app->add_option("--checkpoint-every", f->o.checkpoint_every, "Steps between checkpoints (0 = at the end)")
+  app->add_option("--log-every", f->o.loop.log_every, "Steps between metrics records")->capture_default_str();
+  app->add_option("--checkpoint-every", f->o.loop.checkpoint_every, "Steps between checkpoints (0 = at the end)")
       ->capture_default_str();
   app->add_option("--figure-rows", f->figure_rows, "Held-out maps in capspix2pix_compare.png (0 = no figures)")
       ->capture_default_str();
@@ -98,14 +98,14 @@ Subcommand add_capspix2pix(CLI::App& root) {
 
   return {app, [f]() {
             auto& o = f->o;
-            o.precision = precision_from_flag(f->precision);
-            o.progress = !f->loop.no_progress;
-            o.resume = f->loop.resume;
-            o.max_seconds = 60 * f->max_minutes;
+            o.loop.precision = precision_from_flag(f->precision);
+            o.loop.progress = !f->loop.no_progress;
+            o.loop.resume = f->loop.resume;
+            o.loop.max_seconds = 60 * f->max_minutes;
             o.fused_routing = !f->composite_routing;
             o.model.image_size = f->maps.size;
             o.validate();  // before loading the data
-            return run_training_command(f->loop, o.out_dir, o.batch_size, [f](auto group) {
+            return run_training_command(f->loop, o.loop.out_dir, o.loop.batch_size, [f](auto group) {
               if (group) throw std::invalid_argument("capspix2pix runs in one process only (--nproc 1)");
               const auto t_start = std::chrono::steady_clock::now();
               auto& o = f->o;
@@ -113,7 +113,7 @@ Subcommand add_capspix2pix(CLI::App& root) {
               if (!f->compare_with.empty()) other = experiments::load_pix2pix(f->compare_with);  // fail before training
               std::optional<models::CapsNet> classifier;
               if (!f->classifier.empty()) classifier = train::load_model(f->classifier);
-              data::LabelMaps train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.seed, f->maps);
+              data::LabelMaps train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.loop.seed, f->maps);
               data::LabelMaps test_set(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_seed, f->maps);
 
               auto result = experiments::train_pix2pix(o, train_set, test_set, std::cout);
@@ -139,7 +139,7 @@ Subcommand add_capspix2pix(CLI::App& root) {
                   {"generator_parameters", count(model->generator_parameters())},
                   {"discriminator_parameters", count(model->discriminator_parameters())},
                   {"routing", f->composite_routing ? "composite" : "fused"},
-                  {"precision", precision_name(o.loop_options().precision)},
+                  {"precision", precision_name(o.loop.precision)},
                   {"data",
                    {{"dataset", f->data.dataset},
                     {"dir", f->data.resolved()},
@@ -147,17 +147,17 @@ Subcommand add_capspix2pix(CLI::App& root) {
                     {"object_threshold", f->maps.object_threshold},
                     {"flip", f->maps.flip},
                     {"classes", "0 background, 1 interior, 2 edge"}}},
-                  {"train_seed", o.seed},
+                  {"train_seed", o.loop.seed},
                   {"test_seed", f->test_seed},
                   {"eval_seed", o.eval_seed},
                   {"steps", result.steps},
-                  {"steps_requested", o.steps},
+                  {"steps_requested", o.loop.max_steps},
                   {"max_minutes", f->max_minutes},
-                  {"batch_size", o.batch_size},
-                  {"lr", o.lr},
+                  {"batch_size", o.loop.batch_size},
+                  {"lr", o.loop.lr},
                   {"beta1", o.beta1},
                   {"l1_weight", o.model.l1_weight},
-                  {"images_seen", result.steps * o.batch_size},
+                  {"images_seen", result.steps * o.loop.batch_size},
                   {"train_seconds", result.seconds},
                   {"train_images_per_second", result.images_per_second},
                   {"threads", at::get_num_threads()},
@@ -174,7 +174,7 @@ Subcommand add_capspix2pix(CLI::App& root) {
                      "11x11 Gaussian window (sigma 1.5), mean over the map; all averaged over the test maps, z fixed "
                      "by eval_seed; diversity = mean pairwise L1 of diversity_samples images of one map (different "
                      "z), averaged over diversity_maps maps"}}},
-                  {"model_file", train::checkpoint_path(o.out_dir)}};
+                  {"model_file", train::checkpoint_path(o.loop.out_dir)}};
 
               if (consistency)
                 summary["test"]["label_consistency"] = {
@@ -201,7 +201,7 @@ Subcommand add_capspix2pix(CLI::App& root) {
                   names += (names.empty() ? "" : " | ") +
                            std::string(m->config.generator == "caps" ? "CapsPix2pix" : "pix2pix");
                 auto write = [&](const std::string& name, const torch::Tensor& figure, const std::string& what) {
-                  const std::string png = o.out_dir + "/" + name;
+                  const std::string png = o.loop.out_dir + "/" + name;
                   viz::write_png_gray(png, figure);
                   summary["figures"][name] = what;
                   std::cout << fmt::format("wrote {} ({}x{} px)\n", png, figure.size(1), figure.size(0));
@@ -217,7 +217,7 @@ Subcommand add_capspix2pix(CLI::App& root) {
                       "one row per model (" + names + "): label of held-out map 0 | z = (1 - t) z1 + t z2, t = 0..1");
               }
               summary["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-              const std::string json_path = o.out_dir + "/capspix2pix.json";
+              const std::string json_path = o.loop.out_dir + "/capspix2pix.json";
               write_text_file(json_path, train::dump_json(summary, 2) + "\n");
               std::cout << fmt::format("wrote {}\n", json_path);
               return 0;

@@ -22,7 +22,7 @@ namespace capsnet::apps::cli {
 Subcommand add_em(CLI::App& root) {
   struct Flags {
     experiments::EmTrainOptions o;
-    std::string precision;  // --precision, parsed into o.precision
+    std::string precision;  // --precision, parsed into o.loop.precision
     DataFlags data;
     LoopFlags loop;
     double max_minutes = 0;
@@ -35,16 +35,16 @@ Subcommand add_em(CLI::App& root) {
   add_data_flags(*app, f->data);
   auto& o = f->o;
   auto& m = o.model;
-  app->add_option("--out", o.out_dir, "Output directory")->capture_default_str();
-  app->add_option("--steps", o.steps, "Optimizer steps")->check(CLI::PositiveNumber)->capture_default_str();
-  app->add_option("--batch-size", o.batch_size, "Training batch size")
+  app->add_option("--out", o.loop.out_dir, "Output directory")->capture_default_str();
+  app->add_option("--steps", o.loop.max_steps, "Optimizer steps")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--batch-size", o.loop.batch_size, "Training batch size")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app->add_option("--lr", o.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
-  app->add_option("--weight-decay", o.weight_decay, "Adam weight decay (L2)")
+  app->add_option("--lr", o.loop.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--weight-decay", o.loop.weight_decay, "Adam weight decay (L2)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app->add_option("--lr-decay", o.lr_decay, "Learning rate multiplied by this per epoch, smoothly per step (1 = constant)")
+  app->add_option("--lr-decay", o.loop.lr_decay, "Learning rate multiplied by this per epoch, smoothly per step (1 = constant)")
       ->capture_default_str();
   app->add_option("--margin-start", o.margin_start, "Spread-loss margin at the first step (paper: 0.2)")
       ->check(CLI::Range(0.0, 10.0))
@@ -63,8 +63,8 @@ Subcommand add_em(CLI::App& root) {
   app->add_option("--test-size", o.test_size, "First test examples evaluated (0 = none)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app->add_option("--seed", o.seed, "Seed of the initialisation and the example order")->capture_default_str();
-  app->add_option("--log-every", o.log_every, "Steps between metrics records")
+  app->add_option("--seed", o.loop.seed, "Seed of the initialisation and the example order")->capture_default_str();
+  app->add_option("--log-every", o.loop.log_every, "Steps between metrics records")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app->add_option("--routing-iters", m.routing_iterations, "EM routing iterations (paper: 3)")
@@ -125,10 +125,10 @@ Subcommand add_em(CLI::App& root) {
   app->add_flag("--standardize-cost", m.standardize_cost,
                 "Standardise the costs over the parents of each routing problem before the logistic (not in the "
                 "paper; use with a lambda of order 1, e.g. --lambda-schedule linear --lambda-first 1 --lambda-last 1)");
-  app->add_option("--eval-every", o.eval_every,
+  app->add_option("--eval-every", o.loop.eval_every,
                   "Also evaluate the first --test-size test images every N steps (0 = only at the end)")
       ->capture_default_str();
-  app->add_option("--checkpoint-every", o.checkpoint_every, "Steps between checkpoints (0 = at the end)")
+  app->add_option("--checkpoint-every", o.loop.checkpoint_every, "Steps between checkpoints (0 = at the end)")
       ->capture_default_str();
   app->add_option("--max-minutes", f->max_minutes,
                   "Wall-clock training budget in minutes (0 = none); evaluated where it stopped (the margin "
@@ -144,12 +144,12 @@ Subcommand add_em(CLI::App& root) {
 
   return {app, [f]() {
             auto& o = f->o;
-            o.precision = precision_from_flag(f->precision);
-            o.progress = !f->loop.no_progress;
-            o.resume = f->loop.resume;
-            o.max_seconds = 60 * f->max_minutes;
+            o.loop.precision = precision_from_flag(f->precision);
+            o.loop.progress = !f->loop.no_progress;
+            o.loop.resume = f->loop.resume;
+            o.loop.max_seconds = 60 * f->max_minutes;
             o.validate();  // before loading the data
-            return run_training_command(f->loop, o.out_dir, o.batch_size, [f](auto group) {
+            return run_training_command(f->loop, o.loop.out_dir, o.loop.batch_size, [f](auto group) {
               using Clock = std::chrono::steady_clock;
               const auto t_start = Clock::now();
               auto& o = f->o;
@@ -185,7 +185,7 @@ Subcommand add_em(CLI::App& root) {
                                          r.test.examples, r.test.loss);
               }
               summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
-              const std::string json_path = o.out_dir + "/em.json";
+              const std::string json_path = o.loop.out_dir + "/em.json";
               write_text_file(json_path, train::dump_json(summary, 2) + "\n");
               std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
               return 0;

@@ -30,7 +30,7 @@ constexpr const char* kOverlapDefinition =
 
 struct Flags {
   experiments::MultiMnistTrainOptions o;
-  std::string precision;  // --precision, parsed into o.precision
+  std::string precision;  // --precision, parsed into o.loop.precision
   DataFlags data;
   std::string checkpoint;
   uint64_t test_seed = 1001;
@@ -57,7 +57,7 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
   std::optional<experiments::MultiMnistEval> eval;
   const int64_t canvas = 28 + 2 * gen_options.pad;
   if (f->eval_only) {
-    const std::string path = f->checkpoint.empty() ? train::checkpoint_path(o.out_dir) : f->checkpoint;
+    const std::string path = f->checkpoint.empty() ? train::checkpoint_path(o.loop.out_dir) : f->checkpoint;
     auto meta = train::read_checkpoint_meta(path);
     int64_t channels = 0, size = 0;
     if (meta.train_options.value("task", std::string()) == "multimnist-cnn") {
@@ -89,7 +89,7 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
   const bool is_cnn = o.which == experiments::MultiMnistModel::kCnn;
   // The test pairs through whichever model this run has.
   auto evaluate = [&](const data::MultiMnist& pairs) {
-    std::ostream* progress = o.progress ? &std::cerr : nullptr;
+    std::ostream* progress = o.loop.progress ? &std::cerr : nullptr;
     return is_cnn ? experiments::evaluate_multimnist(cnn, pairs, o.test_size, o.eval_batch_size, progress)
                   : experiments::evaluate_multimnist(model, pairs, o.test_size, o.eval_batch_size, progress);
   };
@@ -97,7 +97,7 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
   auto test_set = data::load_mnist(f->data.resolved(), data::Split::kTest);
   data::MultiMnist test_pairs(std::move(test_set), f->test_seed, gen_options);
   if (!f->eval_only) {
-    data::MultiMnist train_pairs(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.seed, gen_options);
+    data::MultiMnist train_pairs(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.loop.seed, gen_options);
     trained = experiments::train_multimnist(o, train_pairs, &test_pairs, std::cout, group);
     if (group && group->rank() != 0) return 0;  // rank 0 reports
     if (is_cnn) {
@@ -112,9 +112,9 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
     summary["mode"] = "train";
     summary["checkpoint"] = trained->checkpoint;
     summary["steps"] = trained->steps;
-    summary["batch_size"] = o.batch_size;
+    summary["batch_size"] = o.loop.batch_size;
     summary["images_seen"] = trained->images_seen;
-    summary["train_seed"] = o.seed;
+    summary["train_seed"] = o.loop.seed;
     summary["train_seconds"] = trained->seconds;
     summary["train_images_per_second"] = trained->images_per_second;
     if (!trained->losses.empty()) summary["final_train_loss"] = trained->losses.back();
@@ -146,13 +146,13 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
       "({} pairs)\n",
       100 * r.overlap.mean_iou(), 100 * r.overlap.mean_over_smaller(), r.overlap.examples);
 
-  std::filesystem::create_directories(o.out_dir);
+  std::filesystem::create_directories(o.loop.out_dir);
   if (f->figure_correct + f->figure_wrong > 0) {
     if (is_cnn) {
       std::cerr << "no figure: the CNN has no reconstructions\n";
     } else if (model->config.reconstruction) {
       auto figure = experiments::multimnist_figure(model, test_pairs, f->figure_correct, f->figure_wrong, f->figure_columns);
-      const std::string png = o.out_dir + "/multimnist.png";
+      const std::string png = o.loop.out_dir + "/multimnist.png";
       viz::write_png_gray(png, figure);
       summary["figure"] = png;
       std::cout << fmt::format("wrote {} ({}x{} px)\n", png, figure.size(1), figure.size(0));
@@ -161,7 +161,7 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
     }
   }
   summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
-  const std::string json_path = o.out_dir + "/multimnist.json";
+  const std::string json_path = o.loop.out_dir + "/multimnist.json";
   write_text_file(json_path, train::dump_json(summary, 2) + "\n");
   std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
   return 0;
@@ -176,21 +176,21 @@ Subcommand add_multimnist(CLI::App& root) {
       "Train and evaluate a CapsNet (or the baseline CNN) on MultiMNIST: two overlapping digits in 36x36, both "
       "must be found (writes multimnist.json, multimnist.png, metrics.jsonl, checkpoint.pt in --out)");
   add_data_flags(*app, f->data);
-  app->add_option("--out", f->o.out_dir, "Output directory")->capture_default_str();
-  app->add_option("--steps", f->o.steps, "Optimizer steps (each on new generated pairs)")
+  app->add_option("--out", f->o.loop.out_dir, "Output directory")->capture_default_str();
+  app->add_option("--steps", f->o.loop.max_steps, "Optimizer steps (each on new generated pairs)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app->add_option("--batch-size", f->o.batch_size, "Training batch size")
+  app->add_option("--batch-size", f->o.loop.batch_size, "Training batch size")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app->add_option("--lr", f->o.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
-  app->add_option("--lr-decay", f->o.lr_decay, "Learning-rate factor per 60,000 training pairs, in (0, 1]")
+  app->add_option("--lr", f->o.loop.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--lr-decay", f->o.loop.lr_decay, "Learning-rate factor per 60,000 training pairs, in (0, 1]")
       ->check(CLI::Range(1e-9, 1.0))
       ->capture_default_str();
   app->add_option("--test-size", f->o.test_size, "Generated test pairs to evaluate (from the test split)")
       ->check(CLI::Range(int64_t{1}, int64_t{100000000}))
       ->capture_default_str();
-  app->add_option("--seed", f->o.seed, "Seed of the model initialisation and of the training pairs")
+  app->add_option("--seed", f->o.loop.seed, "Seed of the model initialisation and of the training pairs")
       ->capture_default_str();
   app->add_option("--test-seed", f->test_seed, "Seed of the test pairs (fixed, so runs share one test set)")
       ->capture_default_str();
@@ -204,7 +204,7 @@ Subcommand add_multimnist(CLI::App& root) {
                   "affine, 36x36 input, a sigmoid per class; its two largest logits are its answer)")
       ->check(CLI::IsMember({"capsnet", "cnn"}))
       ->capture_default_str();
-  app->add_option("--eval-every", f->o.eval_every,
+  app->add_option("--eval-every", f->o.loop.eval_every,
                   "Also evaluate the --test-size test pairs every N steps: error vs pairs seen (0 = at the end only)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
@@ -217,10 +217,10 @@ Subcommand add_multimnist(CLI::App& root) {
   app->add_option("--primary-types", f->o.model.primary_types, "PrimaryCaps capsule types (paper: 32)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
-  app->add_option("--log-every", f->o.log_every, "Steps between metrics records")
+  app->add_option("--log-every", f->o.loop.log_every, "Steps between metrics records")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app->add_option("--checkpoint-every", f->o.checkpoint_every, "Steps between checkpoints (0 = only at the end)")
+  app->add_option("--checkpoint-every", f->o.loop.checkpoint_every, "Steps between checkpoints (0 = only at the end)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app->add_flag("--eval-only", f->eval_only, "Evaluate --checkpoint instead of training");
@@ -237,10 +237,10 @@ Subcommand add_multimnist(CLI::App& root) {
   return {
       app, [f, app]() {
         auto& o = f->o;
-        o.precision = precision_from_flag(f->precision);
+        o.loop.precision = precision_from_flag(f->precision);
         f->overlay_given = app->get_option("--overlay")->count() > 0;
-        o.progress = !f->loop.no_progress;
-        o.resume = f->loop.resume;
+        o.loop.progress = !f->loop.no_progress;
+        o.loop.resume = f->loop.resume;
         if (app->get_option("--model")->count() > 0 && f->eval_only)
           throw std::invalid_argument("--model is not read with --eval-only (the checkpoint says which model it is)");
         o.which = experiments::parse_multimnist_model(f->model);
@@ -253,7 +253,7 @@ Subcommand add_multimnist(CLI::App& root) {
         o.model.image_size = 28 + 2 * data::MultiMnistOptions{}.pad;
         o.cnn.image_size = o.model.image_size;
         o.validate();  // before loading 50 MB of data
-        return run_training_command(f->loop, o.out_dir, o.batch_size,
+        return run_training_command(f->loop, o.loop.out_dir, o.loop.batch_size,
                                     [f](auto group) { return run_multimnist(*f, group); });
       }};
 }

@@ -46,7 +46,7 @@ std::optional<double> parse_pos_weight(const std::string& text) {
 Subcommand add_segcaps(CLI::App& root) {
   struct Flags {
     experiments::SegCapsTrainOptions o;
-    std::string precision;  // --precision, parsed into o.precision
+    std::string precision;  // --precision, parsed into o.loop.precision
     data::DigitSegmentationOptions d;
     DataFlags data;
     uint64_t test_seed = 1001;
@@ -64,15 +64,15 @@ Subcommand add_segcaps(CLI::App& root) {
       "mean Dice and the thresholding baseline (writes segcaps.json, segcaps.png, metrics.jsonl, checkpoint.pt in "
       "--out)");
   add_data_flags(*app, f->data);
-  app->add_option("--out", f->o.out_dir, "Output directory")->capture_default_str();
-  app->add_option("--steps", f->o.steps, "Adam steps (each on newly generated images)")
+  app->add_option("--out", f->o.loop.out_dir, "Output directory")->capture_default_str();
+  app->add_option("--steps", f->o.loop.max_steps, "Adam steps (each on newly generated images)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app->add_option("--batch-size", f->o.batch_size, "Training batch size")
+  app->add_option("--batch-size", f->o.loop.batch_size, "Training batch size")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app->add_option("--lr", f->o.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
-  app->add_option("--seed", f->o.seed, "Seed of the model initialisation and the training images")
+  app->add_option("--lr", f->o.loop.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--seed", f->o.loop.seed, "Seed of the model initialisation and the training images")
       ->capture_default_str();
   app->add_option("--test-seed", f->test_seed, "Seed of the test images (from the test split)")->capture_default_str();
   app->add_option("--test-size", f->o.test_size, "Generated test images to evaluate")
@@ -120,7 +120,7 @@ Subcommand add_segcaps(CLI::App& root) {
                   "Wall-clock training budget in minutes (0 = none); the model is evaluated where it stopped")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app->add_option("--log-every", f->o.log_every, "Steps between metrics records")
+  app->add_option("--log-every", f->o.loop.log_every, "Steps between metrics records")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app->add_option("--figure-rows", f->figure_rows, "Test examples in segcaps.png (0 = no figure)")
@@ -128,7 +128,7 @@ Subcommand add_segcaps(CLI::App& root) {
       ->capture_default_str();
   app->add_flag("--composite-routing", f->composite_routing,
                 "Route with the composite ATen path instead of the fused operator (same math)");
-  app->add_option("--checkpoint-every", f->o.checkpoint_every, "Steps between checkpoints (0 = at the end)")
+  app->add_option("--checkpoint-every", f->o.loop.checkpoint_every, "Steps between checkpoints (0 = at the end)")
       ->capture_default_str();
   add_training_precision_flag(*app, f->precision);
   app->get_option("--precision")
@@ -141,10 +141,10 @@ Subcommand add_segcaps(CLI::App& root) {
   return {
       app, [f]() {
         auto& o = f->o;
-        o.precision = precision_from_flag(f->precision);
-        o.progress = !f->loop.no_progress;
-        o.resume = f->loop.resume;
-        o.max_seconds = 60 * f->max_minutes;
+        o.loop.precision = precision_from_flag(f->precision);
+        o.loop.progress = !f->loop.no_progress;
+        o.loop.resume = f->loop.resume;
+        o.loop.max_seconds = 60 * f->max_minutes;
         if (f->d.canvas % 4 != 0)
           throw std::invalid_argument(fmt::format("--canvas must be a multiple of 4, got {}", f->d.canvas));
         o.model.image_size = f->d.canvas;
@@ -155,12 +155,12 @@ Subcommand add_segcaps(CLI::App& root) {
         o.model.recon_weight = f->recon_weight;
         o.validate();  // before loading the data
         f->d.validate(28);
-        return run_training_command(f->loop, o.out_dir, o.batch_size, [f](auto group) {
+        return run_training_command(f->loop, o.loop.out_dir, o.loop.batch_size, [f](auto group) {
           using Clock = std::chrono::steady_clock;
           const auto t_start = Clock::now();
           auto& o = f->o;
 
-          data::DigitSegmentation train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.seed, f->d);
+          data::DigitSegmentation train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.loop.seed, f->d);
           data::DigitSegmentation test_set(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_seed,
                                            f->d);
 
@@ -191,7 +191,7 @@ Subcommand add_segcaps(CLI::App& root) {
                  return n;
                }()},
               {"routing", f->composite_routing ? "composite" : "fused"},
-              {"precision", precision_name(o.loop_options().precision)},
+              {"precision", precision_name(o.loop.precision)},
               {"pos_weight", f->pos_weight},
               {"recon_weight", o.model.recon_weight},
               {"data",
@@ -203,14 +203,14 @@ Subcommand add_segcaps(CLI::App& root) {
                 {"fragment_max", f->d.fragment_max},
                 {"noise_std", f->d.noise_std},
                 {"mask_threshold", f->d.mask_threshold}}},
-              {"train_seed", o.seed},
+              {"train_seed", o.loop.seed},
               {"test_seed", f->test_seed},
               {"steps", result.steps},
-              {"steps_requested", o.steps},
+              {"steps_requested", o.loop.max_steps},
               {"max_minutes", f->max_minutes},
-              {"batch_size", o.batch_size},
-              {"lr", o.lr},
-              {"images_seen", result.steps * o.batch_size},
+              {"batch_size", o.loop.batch_size},
+              {"lr", o.loop.lr},
+              {"images_seen", result.steps * o.loop.batch_size},
               {"train_seconds", result.seconds},
               {"train_images_per_second", result.images_per_second},
               {"final_train_loss", result.losses.empty() ? 0.0 : result.losses.back()},
@@ -223,18 +223,18 @@ Subcommand add_segcaps(CLI::App& root) {
                 {"best_threshold", baseline.best_threshold},
                 {"test_dice", baseline.test_dice_at_best},
                 {"test_dice_at_0.5", baseline.test_dice_at_half}}},
-              {"model_file", train::checkpoint_path(o.out_dir)}};
+              {"model_file", train::checkpoint_path(o.loop.out_dir)}};
 
           if (f->figure_rows > 0) {
             auto figure = experiments::segcaps_figure(model, test_set, 0, f->figure_rows, o.threshold);
-            const std::string png = o.out_dir + "/segcaps.png";
+            const std::string png = o.loop.out_dir + "/segcaps.png";
             viz::write_png_gray(png, figure);
             summary["figure"] = png;
             summary["figure_columns"] = "input | target mask | capsule length |v| | predicted mask (|v| > threshold)";
             std::cout << fmt::format("wrote {} ({}x{} px)\n", png, figure.size(1), figure.size(0));
           }
           summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
-          const std::string json_path = o.out_dir + "/segcaps.json";
+          const std::string json_path = o.loop.out_dir + "/segcaps.json";
           write_text_file(json_path, train::dump_json(summary, 2) + "\n");
           std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
           return 0;

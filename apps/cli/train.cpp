@@ -35,7 +35,7 @@ SchedulePreset schedule_preset(const std::string& name) {
 Subcommand add_train(CLI::App& root) {
   struct Flags {
     train::TrainOptions o;
-    std::string precision;  // --precision, parsed into o.precision
+    std::string precision;  // --precision, parsed into o.loop.precision
     DataFlags data;
     int64_t train_limit = 0, test_limit = 0;
     bool no_reconstruction = false, stop_routing_grad = false, no_eval = false, composite_routing = false;
@@ -46,16 +46,16 @@ Subcommand add_train(CLI::App& root) {
   auto* app = root.add_subcommand("train", "Train a CapsNet on MNIST (checkpoint + metrics.jsonl in --out)");
   add_data_flags(*app, f->data);
   add_image_folder_flags(*app, f->data, /*training=*/true);
-  app->add_option("--out", f->o.out_dir, "Output directory (checkpoint.pt, metrics.jsonl)")->capture_default_str();
-  app->add_option("--epochs", f->o.epochs, "Epochs")->check(CLI::NonNegativeNumber)->capture_default_str();
-  app->add_option("--steps", f->o.max_steps, "Total optimizer steps (overrides --epochs when > 0)")
+  app->add_option("--out", f->o.loop.out_dir, "Output directory (checkpoint.pt, metrics.jsonl)")->capture_default_str();
+  app->add_option("--epochs", f->o.loop.epochs, "Epochs")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app->add_option("--steps", f->o.loop.max_steps, "Total optimizer steps (overrides --epochs when > 0)")
       ->check(CLI::NonNegativeNumber);
-  app->add_option("--batch-size", f->o.batch_size, "Batch size")->check(CLI::PositiveNumber)->capture_default_str();
-  app->add_option("--lr", f->o.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
-  app->add_option("--lr-decay", f->o.lr_decay, "Learning-rate factor per decay period (--lr-decay-steps), in (0, 1]")
+  app->add_option("--batch-size", f->o.loop.batch_size, "Batch size")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--lr", f->o.loop.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--lr-decay", f->o.loop.lr_decay, "Learning-rate factor per decay period (--lr-decay-steps), in (0, 1]")
       ->check(CLI::Range(1e-9, 1.0))
       ->capture_default_str();
-  app->add_option("--lr-decay-steps", f->o.lr_decay_steps,
+  app->add_option("--lr-decay-steps", f->o.loop.lr_decay_steps,
                   "Exponential schedule's decay period in steps (0 = one epoch; --schedule paper: 2000)")
       ->check(CLI::NonNegativeNumber);
   app->add_option("--val", f->o.validation_size,
@@ -71,7 +71,7 @@ Subcommand add_train(CLI::App& root) {
   app->add_option("--lr-schedule", f->lr_schedule,
                   "exponential (--lr x --lr-decay per epoch) or one-cycle (warm-up to --lr, cosine to ~0 at the end)")
       ->check(CLI::IsMember({"exponential", "one-cycle"}));
-  app->add_option("--warmup-fraction", f->o.warmup_fraction, "One-cycle: share of the run spent warming up, in [0, 1)")
+  app->add_option("--warmup-fraction", f->o.loop.warmup_fraction, "One-cycle: share of the run spent warming up, in [0, 1)")
       ->check(CLI::Range(0.0, 0.99))
       ->capture_default_str();
   app->add_option("--routing-iters", f->o.model.routing_iterations, "Dynamic routing iterations r")
@@ -91,38 +91,38 @@ Subcommand add_train(CLI::App& root) {
   app->add_option("--max-shift", f->o.max_shift, "Random shift augmentation, pixels")
       ->check(CLI::Range(0, 27))
       ->capture_default_str();
-  app->add_option("--seed", f->o.seed, "Random seed (init, data order, shifts)")->capture_default_str();
+  app->add_option("--seed", f->o.loop.seed, "Random seed (init, data order, shifts)")->capture_default_str();
   app->add_option("--train-limit", f->train_limit, "Use only the first N training images (0 = all)")
       ->check(CLI::NonNegativeNumber);
   app->add_option("--test-limit", f->test_limit, "Evaluate on the first N test images (0 = all)")
       ->check(CLI::NonNegativeNumber);
-  app->add_option("--checkpoint-every", f->o.checkpoint_every, "Steps between checkpoints (also at epoch ends)")
+  app->add_option("--checkpoint-every", f->o.loop.checkpoint_every, "Steps between checkpoints (also at epoch ends)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app->add_option("--log-every", f->o.log_every, "Steps between metrics records")
+  app->add_option("--log-every", f->o.loop.log_every, "Steps between metrics records")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app->add_flag("--no-eval", f->no_eval, "Skip the test-set evaluation at epoch ends");
   add_loop_flags(*app, f->loop);
 
   return {app, [f, app]() {
-            f->o.precision = precision_from_flag(f->precision);
+            f->o.loop.precision = precision_from_flag(f->precision);
             const auto preset = schedule_preset(f->schedule);
-            f->o.lr_schedule = f->lr_schedule.empty() ? preset.lr_schedule : train::parse_lr_schedule(f->lr_schedule);
-            if (!app->count("--lr")) f->o.lr = preset.lr;
-            if (!app->count("--lr-decay-steps")) f->o.lr_decay_steps = preset.lr_decay_steps;
-            if (!app->count("--batch-size")) f->o.batch_size = preset.batch_size;
-            if (!app->count("--epochs")) f->o.epochs = preset.epochs;
+            f->o.loop.lr_schedule = f->lr_schedule.empty() ? preset.lr_schedule : train::parse_lr_schedule(f->lr_schedule);
+            if (!app->count("--lr")) f->o.loop.lr = preset.lr;
+            if (!app->count("--lr-decay-steps")) f->o.loop.lr_decay_steps = preset.lr_decay_steps;
+            if (!app->count("--batch-size")) f->o.loop.batch_size = preset.batch_size;
+            if (!app->count("--epochs")) f->o.loop.epochs = preset.epochs;
             f->o.model.reconstruction = !f->no_reconstruction;
             f->o.model.grad_through_routing = !f->stop_routing_grad;
-            f->o.evaluate_each_epoch = !f->no_eval;
+            f->o.loop.evaluate_each_epoch = !f->no_eval;
             f->o.fused_routing = !f->composite_routing;
-            f->o.progress = !f->loop.no_progress;
-            f->o.resume = f->loop.resume;
+            f->o.loop.progress = !f->loop.no_progress;
+            f->o.loop.resume = f->loop.resume;
             f->o.validate();  // before loading 50 MB of data
             if (!f->data.is_folder() && f->data.folder.image_size > 0)
               throw std::invalid_argument("--image-size applies to image folders (--data DIR/<class>/...)");
-            return run_training_command(f->loop, f->o.out_dir, f->o.batch_size, [f](auto group) {
+            return run_training_command(f->loop, f->o.loop.out_dir, f->o.loop.batch_size, [f](auto group) {
               std::ostream null_log(nullptr);
               auto data = load_labelled_data(f->data, true, !f->no_eval, f->train_limit, f->test_limit,
                                              group && group->rank() != 0 ? null_log : std::cout);
@@ -151,9 +151,9 @@ Subcommand add_train(CLI::App& root) {
                 std::cout << fmt::format("validation accuracy: {:.2f}% on {} images; best {:.2f}% at step {} ({})\n",
                                          100 * r.validation->accuracy, r.validation->examples,
                                          100 * r.best_validation_accuracy.value_or(0), r.best_validation_step,
-                                         train::best_checkpoint_path(f->o.out_dir));
+                                         train::best_checkpoint_path(f->o.loop.out_dir));
               std::cout << fmt::format("checkpoint: {}\nmetrics: {}\n", r.checkpoint,
-                                       train::metrics_path(f->o.out_dir));
+                                       train::metrics_path(f->o.loop.out_dir));
               return 0;
             });
           }};

@@ -18,7 +18,7 @@ void Pix2pixTrainOptions::validate() const {
   auto positive = [](const char* name, int64_t v) {
     if (v <= 0) throw std::invalid_argument(fmt::format("capspix2pix: {} must be positive, got {}", name, v));
   };
-  positive("steps", steps);
+  positive("steps", loop.max_steps);
   positive("test_size", test_size);
   positive("eval_batch_size", eval_batch_size);
   positive("diversity_maps", diversity_maps);
@@ -26,26 +26,7 @@ void Pix2pixTrainOptions::validate() const {
     throw std::invalid_argument(fmt::format("capspix2pix: diversity_samples must be >= 2, got {}", diversity_samples));
   if (!(beta1 >= 0 && beta1 < 1))
     throw std::invalid_argument(fmt::format("capspix2pix: beta1 must be in [0, 1), got {}", beta1));
-  loop_options().validate();
-}
-
-train::LoopOptions Pix2pixTrainOptions::loop_options() const {
-  train::LoopOptions l;
-  l.out_dir = out_dir;
-  l.epochs = 0;
-  l.max_steps = steps;
-  l.batch_size = batch_size;
-  l.lr = lr;
-  l.lr_decay = 1;  // pix2pix keeps the rate constant (its linear decay starts after 100 epochs)
-  l.seed = seed;
-  l.checkpoint_every = checkpoint_every;
-  l.log_every = log_every;
-  l.evaluate_each_epoch = false;
-  l.resume = resume;
-  l.progress = progress;
-  l.max_seconds = max_seconds;
-  l.precision = precision;
-  return l;
+  loop.validate();
 }
 
 // ---- scores ----
@@ -244,7 +225,7 @@ class Pix2pixTask : public train::Task {
                        o_.model.generator, count(model_->generator_parameters()),
                        count(model_->discriminator_parameters()));
   }
-  int64_t epoch_size() const override { return o_.steps * o_.batch_size; }
+  int64_t epoch_size() const override { return o_.loop.max_steps * o_.loop.batch_size; }
   bool shuffle() const override { return false; }
   train::Batch batch(const torch::Tensor& ids, at::Generator& gen) const override {
     auto b = train_.generate(ids[0].item<int64_t>(), ids.size(0));
@@ -300,7 +281,7 @@ Pix2pixTrainResult train_pix2pix(const Pix2pixTrainOptions& options, const data:
     throw std::invalid_argument(fmt::format("capspix2pix: the map size ({}) must equal the model image_size ({})",
                                             train_set.size(), options.model.image_size));
   Pix2pixTask task(options, train_set, test_set);
-  auto r = train::run(task, options.loop_options(), log);
+  auto r = train::run(task, options.loop, log);
   Pix2pixTrainResult result;
   result.model = task.model_;
   result.steps = r.end_step;

@@ -20,28 +20,31 @@
 namespace capsnet::experiments {
 
 struct Pix2pixTrainOptions {
+  Pix2pixTrainOptions() {
+    loop.out_dir = "runs/capspix2pix";
+    loop.epochs = 0;  // a run is measured in steps: loop.max_steps
+    loop.max_steps = 2000;
+    loop.batch_size = 16;
+    loop.lr = 2e-4;     // Adam, both networks (pix2pix)
+    loop.lr_decay = 1;  // pix2pix keeps the rate constant (its linear decay starts after 100 epochs)
+    loop.checkpoint_every = 0;         // only at the end
+    loop.evaluate_each_epoch = false;  // the test maps are evaluated at the end
+  }
+
   models::Pix2pixConfig model;
-  int64_t steps = 2000;
-  int64_t batch_size = 16;
-  double lr = 2e-4;     // Adam, both networks (pix2pix)
+  /// The loop's options (loop.h). loop.max_steps is the run's length in steps (loop.epochs 0); loop.seed
+  /// seeds the initialisation, the training maps and the training noise; loop.max_seconds is a wall-clock
+  /// training budget (0 = none); loop.precision is the compute type of both networks' convolutions
+  /// (losses fp32).
+  train::LoopOptions loop;
   double beta1 = 0.5;   // Adam's beta1 (pix2pix); beta2 = 0.999
-  uint64_t seed = 1;    // initialisation, training maps and training noise
   uint64_t eval_seed = 7;  // the noise vectors of the evaluation and the figures
   int64_t test_size = 500;
   int64_t eval_batch_size = 50;
   int64_t diversity_maps = 16;     // test maps whose samples are compared
   int64_t diversity_samples = 8;   // z samples per map
-  int64_t log_every = 50;
-  std::string out_dir = "runs/capspix2pix";
-  bool progress = true;
   bool fused_routing = true;
-  double max_seconds = 0;        // wall-clock training budget (0 = none)
-  int64_t checkpoint_every = 0;  // steps; 0 = only at the end
-  std::string resume;
-  Precision precision = Precision::kFloat32;  // compute type of both networks' convolutions (losses fp32)
 
-  /// The loop's share of these options (precision resolved: "auto" becomes bf16 or fp32 on this CPU).
-  train::LoopOptions loop_options() const;
   /// Throws std::invalid_argument naming the bad field.
   void validate() const;
 };

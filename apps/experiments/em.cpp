@@ -24,28 +24,26 @@ void EmTrainOptions::validate() const {
   auto positive = [](int64_t v, const char* name) {
     if (v < 1) throw std::invalid_argument(fmt::format("em: {} must be >= 1, got {}", name, v));
   };
-  positive(steps, "steps");
+  positive(loop.max_steps, "steps");
   positive(eval_batch_size, "eval_batch_size");
-  loop_options().validate();
+  loop.validate();
   if (!(margin_start >= 0) || !(margin_end >= 0))
     throw std::invalid_argument(fmt::format("em: margins must be >= 0, got {} and {}", margin_start, margin_end));
   if (train_size < 0) throw std::invalid_argument(fmt::format("em: train_size must be >= 0, got {}", train_size));
   if (test_size < 0) throw std::invalid_argument(fmt::format("em: test_size must be >= 0, got {}", test_size));
-  if (eval_every < 0) throw std::invalid_argument(fmt::format("em: eval_every must be >= 0, got {}", eval_every));
-  if (!(max_seconds >= 0)) throw std::invalid_argument(fmt::format("em: max_seconds must be >= 0, got {}", max_seconds));
   if (max_shift < 0 || max_shift >= model.image_size)
     throw std::invalid_argument(
         fmt::format("em: max_shift must be in [0, {}) (the image side), got {}", model.image_size, max_shift));
 }
 
 nlohmann::json EmTrainOptions::to_json() const {
-  return {{"out_dir", out_dir},           {"steps", steps},         {"batch_size", batch_size},
-          {"lr", lr},                     {"weight_decay", weight_decay}, {"lr_decay", lr_decay},
+  return {{"out_dir", loop.out_dir},      {"steps", loop.max_steps}, {"batch_size", loop.batch_size},
+          {"lr", loop.lr},                {"weight_decay", loop.weight_decay}, {"lr_decay", loop.lr_decay},
           {"margin_start", margin_start},
-          {"margin_end", margin_end},     {"max_shift", max_shift}, {"seed", seed},           {"train_size", train_size},
-          {"test_size", test_size},       {"eval_batch_size", eval_batch_size}, {"log_every", log_every},
-          {"checkpoint_every", checkpoint_every}, {"eval_every", eval_every}, {"max_seconds", max_seconds},
-          {"precision", precision_name(precision)}};
+          {"margin_end", margin_end},     {"max_shift", max_shift}, {"seed", loop.seed},      {"train_size", train_size},
+          {"test_size", test_size},       {"eval_batch_size", eval_batch_size}, {"log_every", loop.log_every},
+          {"checkpoint_every", loop.checkpoint_every}, {"eval_every", loop.eval_every},
+          {"max_seconds", loop.max_seconds}, {"precision", precision_name(loop.precision)}};
 }
 
 torch::Tensor to_input(const torch::Tensor& images) {
@@ -174,27 +172,6 @@ class EmTask : public train::Task {
 
 }  // namespace
 
-train::LoopOptions EmTrainOptions::loop_options() const {
-  train::LoopOptions l;
-  l.out_dir = out_dir;
-  l.epochs = 0;
-  l.max_steps = steps;
-  l.batch_size = batch_size;
-  l.lr = lr;
-  l.lr_decay = lr_decay;  // 1 by default: the paper anneals the margin, not the learning rate
-  l.weight_decay = weight_decay;
-  l.seed = seed;
-  l.checkpoint_every = checkpoint_every;
-  l.log_every = log_every;
-  l.evaluate_each_epoch = false;
-  l.eval_every = eval_every;
-  l.resume = resume;
-  l.progress = progress;
-  l.max_seconds = max_seconds;
-  l.precision = precision;
-  return l;
-}
-
 EmTrainResult train_em(const EmTrainOptions& options, const data::ImageSet& train_full, const data::ImageSet* test_set,
                        std::ostream& log, std::shared_ptr<train::ProcessGroup> group) {
   options.validate();
@@ -204,7 +181,7 @@ EmTrainResult train_em(const EmTrainOptions& options, const data::ImageSet& trai
                                             train_set.images.size(1), train_set.images.size(2),
                                             options.model.image_size, options.model.image_size));
   EmTask task(options, train_set, test_set);
-  auto r = train::run(task, options.loop_options(), log, std::move(group));
+  auto r = train::run(task, options.loop, log, std::move(group));
   EmTrainResult result;
   result.model = task.model_;
   result.steps = r.end_step;
@@ -213,7 +190,7 @@ EmTrainResult train_em(const EmTrainOptions& options, const data::ImageSet& trai
   result.images_per_second = r.images_per_second;
   result.losses = std::move(r.losses);
   // Training accuracy over the last log_every steps (what the last "train" record shows).
-  const auto tail = std::min<size_t>(r.accuracies.size(), static_cast<size_t>(options.log_every));
+  const auto tail = std::min<size_t>(r.accuracies.size(), static_cast<size_t>(options.loop.log_every));
   for (size_t i = r.accuracies.size() - tail; i < r.accuracies.size(); ++i)
     result.final_train_accuracy += r.accuracies[i] / static_cast<double>(tail);
   result.test = task.last_;

@@ -21,37 +21,38 @@ namespace capsnet::experiments {
 inline constexpr double kFinalSpreadMargin = 0.9;
 
 struct EmTrainOptions {
+  EmTrainOptions() {
+    loop.out_dir = "runs/em";  // metrics.jsonl and checkpoint.pt go here
+    loop.epochs = 0;           // a run is measured in steps: loop.max_steps
+    loop.max_steps = 500;
+    loop.batch_size = 32;
+    loop.lr = 3e-3;            // Adam
+    loop.lr_decay = 1.0;       // once per epoch, applied smoothly per step (1 = constant, the paper's setting:
+                               // it anneals the margin instead)
+    loop.log_every = 20;
+    loop.checkpoint_every = 0;         // only at epoch ends and at the end
+    loop.evaluate_each_epoch = false;  // the test images are evaluated at the end (and every loop.eval_every steps)
+  }
+
   models::MatrixCapsNetConfig model;
-  std::string out_dir = "runs/em";  // metrics.jsonl and checkpoint.pt go here
-  int64_t steps = 500;
-  int64_t batch_size = 32;
-  double lr = 3e-3;             // Adam
-  double weight_decay = 0.0;    // L2 on all parameters (Adam's weight_decay)
-  double lr_decay = 1.0;        // learning rate multiplied by this once per epoch, applied smoothly per step
-                                // (1 = constant, the paper's setting: it anneals the margin instead)
+  /// The loop's options (loop.h). loop.max_steps is the run's length in steps (loop.epochs 0), which the
+  /// margin schedule spans; loop.weight_decay is L2 on all parameters (Adam's); loop.seed seeds the
+  /// initialisation and the order of the training examples; loop.eval_every > 0 also evaluates test_size
+  /// test images every this many steps (a learning curve); loop.max_seconds > 0 stops after the first step
+  /// past this much training time (then evaluates), so the margin stops short of margin_end; loop.precision
+  /// is the compute type of the convolutions (routing stays fp32).
+  train::LoopOptions loop;
   double margin_start = 0.2;    // spread-loss margin at step 0 ...
   double margin_end = kFinalSpreadMargin;  // ... reached at the last step (linear)
   int64_t max_shift = 0;        // random translation of each training image, pixels in each direction (zero
                                 // padding; 0 = none, the paper's setting; 2 = CapsNet's MNIST augmentation)
-  uint64_t seed = 1;            // initialisation and the order of the training examples
   int64_t train_size = 0;       // first examples of the training split used (0 = all)
   int64_t test_size = 10000;    // first test examples evaluated at the end (0 = none)
   int64_t eval_batch_size = 100;
-  int64_t log_every = 20;       // steps between "train" metric records
-  int64_t checkpoint_every = 0;  // steps; 0 = only at epoch ends and at the end
-  int64_t eval_every = 0;       // > 0: also evaluate test_size test images every this many steps (a learning curve)
-  double max_seconds = 0;       // > 0: stop after the first step past this much training time (then evaluate);
-                                // the margin schedule still spans `steps`, so it stops short of margin_end
-  std::string resume;           // checkpoint to continue from exactly ("" = start fresh)
-  bool progress = true;
-  Precision precision = Precision::kFloat32;  // compute type of the convolutions (routing stays fp32)
-
-  /// The loop's share of these options (steps -> max_steps, lr_decay per epoch, evaluation at the end,
-  /// precision resolved: "auto" becomes bf16 or fp32 on this CPU).
-  train::LoopOptions loop_options() const;
 
   /// Throws std::invalid_argument naming the first bad option.
   void validate() const;
+  /// The loop's and the experiment's options ("steps" = loop.max_steps), as written by `capsnet em`.
   nlohmann::json to_json() const;
 };
 

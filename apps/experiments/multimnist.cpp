@@ -89,17 +89,17 @@ void MultiMnistTrainOptions::validate() const {
     model.validate();
     if (model.num_classes < 2) fail("multimnist: the model needs at least 2 classes");
   }
-  if (eval_every < 0) fail(fmt::format("eval_every must be >= 0, got {}", eval_every));
-  if (steps <= 0) fail(fmt::format("steps must be positive, got {}", steps));
+  if (loop.eval_every < 0) fail(fmt::format("eval_every must be >= 0, got {}", loop.eval_every));
+  if (loop.max_steps <= 0) fail(fmt::format("steps must be positive, got {}", loop.max_steps));
   if (eval_batch_size <= 0) fail(fmt::format("eval_batch_size must be positive, got {}", eval_batch_size));
   if (test_size < 0) fail(fmt::format("test_size must be >= 0, got {}", test_size));
-  loop_options().validate();
+  loop.validate();
 }
 
 nlohmann::json MultiMnistTrainOptions::to_json() const {
-  return {{"task", "multimnist"}, {"model", multimnist_model_name(which)}, {"steps", steps}, {"batch_size", batch_size},
-          {"lr", lr},             {"lr_decay", lr_decay},   {"seed", seed},
-          {"test_size", test_size}, {"out_dir", out_dir}};
+  return {{"task", "multimnist"}, {"model", multimnist_model_name(which)}, {"steps", loop.max_steps},
+          {"batch_size", loop.batch_size}, {"lr", loop.lr}, {"lr_decay", loop.lr_decay}, {"seed", loop.seed},
+          {"test_size", test_size}, {"out_dir", loop.out_dir}};
 }
 
 data::Overlay saved_overlay(const nlohmann::json& train_options) {
@@ -320,25 +320,6 @@ class MultiMnistCnnTask : public MultiMnistTaskBase {
 
 }  // namespace
 
-train::LoopOptions MultiMnistTrainOptions::loop_options() const {
-  train::LoopOptions l;
-  l.out_dir = out_dir;
-  l.epochs = 0;
-  l.max_steps = steps;
-  l.batch_size = batch_size;
-  l.lr = lr;
-  l.lr_decay = lr_decay;
-  l.seed = seed;
-  l.checkpoint_every = checkpoint_every;
-  l.log_every = log_every;
-  l.evaluate_each_epoch = false;  // the test pairs are evaluated at the end (and every eval_every steps)
-  l.eval_every = eval_every;
-  l.resume = resume;
-  l.progress = progress;
-  l.precision = precision;
-  return l;
-}
-
 MultiMnistTrainResult train_multimnist(const MultiMnistTrainOptions& options, const data::MultiMnist& train_pairs,
                                        const data::MultiMnist* test_pairs, std::ostream& log,
                                        std::shared_ptr<train::ProcessGroup> group) {
@@ -354,7 +335,7 @@ MultiMnistTrainResult train_multimnist(const MultiMnistTrainOptions& options, co
     task = std::make_unique<MultiMnistCnnTask>(options, train_pairs, test_pairs);
   else
     task = std::make_unique<MultiMnistTask>(options, train_pairs, test_pairs);
-  auto r = train::run(*task, options.loop_options(), log, std::move(group));
+  auto r = train::run(*task, options.loop, log, std::move(group));
   MultiMnistTrainResult result;
   result.steps = r.end_step;
   result.images_seen = r.images;

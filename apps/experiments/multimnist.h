@@ -29,29 +29,30 @@ const char* multimnist_model_name(MultiMnistModel model);
 MultiMnistModel parse_multimnist_model(const std::string& name);
 
 struct MultiMnistTrainOptions {
+  MultiMnistTrainOptions() {
+    loop.out_dir = "runs/multimnist";  // checkpoint.pt and metrics.jsonl go here
+    loop.epochs = 0;                   // a run is measured in steps: loop.max_steps
+    loop.max_steps = 1000;
+    loop.batch_size = 50;
+    loop.lr_decay = 0.96;              // multiplied into lr per 60,000 training pairs, applied smoothly per step
+    loop.checkpoint_every = 0;         // only at the end
+    loop.evaluate_each_epoch = false;  // the test pairs are evaluated at the end (and every loop.eval_every steps)
+  }
+
   MultiMnistModel which = MultiMnistModel::kCapsNet;
   models::CapsNetConfig model;  // image_size must be the generator's canvas side (36 for MNIST)
   models::BaselineCnnConfig cnn;  // with which == kCnn; image_size likewise the canvas side
-  std::string out_dir = "runs/multimnist";  // checkpoint.pt and metrics.jsonl go here
-  int64_t steps = 1000;
-  int64_t batch_size = 50;
-  double lr = 1e-3;           // Adam
-  double lr_decay = 0.96;     // multiplied into lr per 60,000 training pairs, applied smoothly per step
-  uint64_t seed = 1;          // model initialisation (the pairs come from the generator's own seed)
-  int64_t log_every = 50;     // steps between "train" metric records
-  int64_t checkpoint_every = 0;  // steps; 0 = only at the end
+  /// The loop's options (loop.h). loop.max_steps is the run's length in steps (loop.epochs 0); loop.seed
+  /// seeds the model initialisation (the pairs come from the generator's own seed); loop.eval_every > 0 also
+  /// evaluates the test pairs every this many steps (a learning curve).
+  train::LoopOptions loop;
   int64_t test_size = 10000;  // generated test pairs evaluated at the end (0 = none)
-  int64_t eval_every = 0;     // > 0: also evaluate the test pairs every this many steps (a learning curve)
   int64_t eval_batch_size = 100;
-  bool progress = true;
   bool fused_routing = true;
-  std::string resume;              // checkpoint to continue from exactly ("" = start fresh)
-  Precision precision = Precision::kFloat32;  // compute type of the convolutions and decoder
 
-  /// The loop's share of these options (steps -> max_steps; the test pairs are evaluated at the end).
-  train::LoopOptions loop_options() const;
   /// Throws std::invalid_argument naming the first bad option.
   void validate() const;
+  /// {task, model, steps (= loop.max_steps), batch_size, lr, lr_decay, seed, test_size, out_dir}.
   nlohmann::json to_json() const;
 };
 
@@ -119,7 +120,7 @@ struct MultiMnistTrainResult {
 };
 
 /// Trains the model options.which names (a CapsNet or the baseline CNN) with Adam on pairs
-/// 0 .. steps * batch_size - 1 of `train_pairs` (step s uses examples [s * B, (s + 1) * B): never a
+/// 0 .. loop.max_steps * loop.batch_size - 1 of `train_pairs` (step s uses examples [s * B, (s + 1) * B): never a
 /// repeated pair below 60M images when the source is MNIST's train split), then evaluates on the first options.test_size pairs of `test_pairs` (may be null).
 /// Runs on the one loop (loop.h): OUT/metrics.jsonl, OUT/checkpoint.pt, exact resume, and data
 /// parallelism over `group`. Throws train::TrainingDiverged when the loss stops being finite.

@@ -18,10 +18,10 @@ void SegCapsTrainOptions::validate() const {
   auto positive = [](const char* name, int64_t v) {
     if (v <= 0) throw std::invalid_argument(fmt::format("segcaps: {} must be positive, got {}", name, v));
   };
-  positive("steps", steps);
+  positive("steps", loop.max_steps);
   positive("test_size", test_size);
   positive("eval_batch_size", eval_batch_size);
-  loop_options().validate();
+  loop.validate();
   if (!(threshold > 0 && threshold < 1))
     throw std::invalid_argument(fmt::format("segcaps: threshold must be in (0, 1), got {}", threshold));
 }
@@ -105,7 +105,7 @@ class SegCapsTask : public train::Task {
     return fmt::format("segcaps ({}x{} generated images)", o_.model.image_size, o_.model.image_size);
   }
   // The whole run is one epoch: there is no learning-rate decay and the test set is scored at the end.
-  int64_t epoch_size() const override { return o_.steps * o_.batch_size; }
+  int64_t epoch_size() const override { return o_.loop.max_steps * o_.loop.batch_size; }
   bool shuffle() const override { return false; }
   train::Batch batch(const torch::Tensor& ids, at::Generator&) const override {
     auto b = train_.generate(ids[0].item<int64_t>(), ids.size(0));
@@ -142,25 +142,6 @@ class SegCapsTask : public train::Task {
 
 }  // namespace
 
-train::LoopOptions SegCapsTrainOptions::loop_options() const {
-  train::LoopOptions l;
-  l.out_dir = out_dir;
-  l.epochs = 0;
-  l.max_steps = steps;
-  l.batch_size = batch_size;
-  l.lr = lr;
-  l.lr_decay = 1;
-  l.seed = seed;
-  l.checkpoint_every = checkpoint_every;
-  l.log_every = log_every;
-  l.evaluate_each_epoch = false;
-  l.resume = resume;
-  l.progress = progress;
-  l.max_seconds = max_seconds;
-  l.precision = precision;
-  return l;
-}
-
 SegCapsTrainResult train_segcaps(const SegCapsTrainOptions& options, const data::DigitSegmentation& train_set,
                                  const data::DigitSegmentation& test_set, std::ostream& log,
                                  std::shared_ptr<train::ProcessGroup> group) {
@@ -169,7 +150,7 @@ SegCapsTrainResult train_segcaps(const SegCapsTrainOptions& options, const data:
     throw std::invalid_argument(fmt::format("segcaps: the data canvas ({}) must equal the model image_size ({})",
                                             train_set.canvas_size(), options.model.image_size));
   SegCapsTask task(options, train_set, test_set);
-  auto r = train::run(task, options.loop_options(), log, std::move(group));
+  auto r = train::run(task, options.loop, log, std::move(group));
   SegCapsTrainResult result;
   result.model = task.model_;
   result.steps = r.end_step;

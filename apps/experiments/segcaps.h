@@ -18,28 +18,28 @@
 namespace capsnet::experiments {
 
 struct SegCapsTrainOptions {
+  SegCapsTrainOptions() {
+    loop.out_dir = "runs/segcaps";
+    loop.epochs = 0;  // a run is measured in steps: loop.max_steps
+    loop.max_steps = 1000;
+    loop.batch_size = 16;
+    loop.lr_decay = 1;  // no decay
+    loop.checkpoint_every = 0;         // only at the end
+    loop.evaluate_each_epoch = false;  // the test set is evaluated at the end
+  }
+
   models::SegCapsConfig model;
-  int64_t steps = 1000;
-  int64_t batch_size = 16;
-  double lr = 1e-3;  // Adam
-  uint64_t seed = 1;  // model initialisation and training images
+  /// The loop's options (loop.h). loop.max_steps is the run's length in steps (loop.epochs 0); loop.seed
+  /// seeds the model initialisation and the training images; loop.max_seconds > 0 is a wall-clock budget:
+  /// training stops after the first step that ends past it and the model is evaluated as it is
+  /// (result.steps says how many steps ran); loop.precision is the compute type of the convolutions
+  /// (routing, losses fp32).
+  train::LoopOptions loop;
   int64_t test_size = 500;
   int64_t eval_batch_size = 50;
-  int64_t log_every = 50;
   double threshold = 0.5;  // predicted mask = |v| > threshold
-  std::string out_dir = "runs/segcaps";
-  bool progress = true;
   bool fused_routing = true;  // false: the composite ATen routing path (same math)
-  /// Wall-clock budget for training in seconds (0 = none): training stops after the first step that
-  /// ends past it, and the model is evaluated as it is (result.steps says how many steps ran).
-  double max_seconds = 0;
-  int64_t checkpoint_every = 0;  // steps; 0 = only at the end
-  std::string resume;            // checkpoint to continue from exactly ("" = start fresh)
-  Precision precision = Precision::kFloat32;  // compute type of the convolutions (routing, losses fp32)
 
-  /// The loop's share of these options (steps -> max_steps, no lr decay, evaluation at the end,
-  /// precision resolved: "auto" becomes bf16 or fp32 on this CPU).
-  train::LoopOptions loop_options() const;
   /// Throws std::invalid_argument naming the bad field.
   void validate() const;
 };
@@ -69,7 +69,7 @@ ThresholdBaseline threshold_baseline(const data::DigitSegmentation& tune, int64_
 
 struct SegCapsTrainResult {
   models::SegCaps model{nullptr};
-  int64_t steps = 0;  // steps actually run (fewer than options.steps when max_seconds stopped training)
+  int64_t steps = 0;  // steps actually run (fewer than options.loop.max_steps when loop.max_seconds stopped training)
   double seconds = 0, images_per_second = 0;
   std::vector<double> losses;  // the loss of every step of this run
   SegmentationEval test;

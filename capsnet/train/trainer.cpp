@@ -84,31 +84,10 @@ class ClassificationTask : public Task {
 
 }  // namespace
 
-LoopOptions TrainOptions::loop_options() const {
-  LoopOptions l;
-  l.out_dir = out_dir;
-  l.epochs = epochs;
-  l.max_steps = max_steps;
-  l.batch_size = batch_size;
-  l.lr = lr;
-  l.lr_decay = lr_decay;
-  l.lr_decay_steps = lr_decay_steps;
-  l.lr_schedule = lr_schedule;
-  l.warmup_fraction = warmup_fraction;
-  l.seed = seed;
-  l.checkpoint_every = checkpoint_every;
-  l.log_every = log_every;
-  l.evaluate_each_epoch = evaluate_each_epoch;
-  l.resume = resume;
-  l.progress = progress;
-  l.precision = precision;
-  return l;
-}
-
 void TrainOptions::validate() const {
   auto fail = [](const std::string& msg) { throw std::invalid_argument(msg); };
   model.validate();
-  loop_options().validate();  // throws naming the value (also a CPU without bf16 for precision)
+  loop.validate();  // throws naming the value (also a CPU without bf16 for precision)
   if (validation_size < 0) fail(fmt::format("validation_size must be >= 0 (0 = none), got {}", validation_size));
   if (eval_batch_size <= 0) fail(fmt::format("eval_batch_size must be positive, got {}", eval_batch_size));
   if (max_shift < 0 || max_shift >= model.image_size)
@@ -116,7 +95,7 @@ void TrainOptions::validate() const {
 }
 
 nlohmann::json TrainOptions::to_json() const {
-  auto j = loop_options().to_json();
+  auto j = loop.to_json();
   j["max_shift"] = max_shift;
   return j;
 }
@@ -140,7 +119,7 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
   // The split: the first n - V examples train, the last V validate (a fixed split, the same for every seed).
   const auto [fit, val] = data::split_tail(train_set, options.validation_size);
   ClassificationTask task(options, fit, options.validation_size > 0 ? &val : nullptr, test_set);
-  auto r = run(task, options.loop_options(), log, std::move(group));
+  auto r = run(task, options.loop, log, std::move(group));
   TrainResult result;
   result.start_step = r.start_step;
   result.end_step = r.end_step;

@@ -20,39 +20,28 @@
 namespace capsnet::train {
 
 struct TrainOptions {
+  TrainOptions() { loop.out_dir = "runs/mnist"; }
+
   models::CapsNetConfig model;
-  std::string out_dir = "runs/mnist";  // checkpoint.pt and metrics.jsonl go here
-  int64_t epochs = 1;
-  int64_t max_steps = 0;      // > 0: stop after this many optimizer steps in total (overrides epochs)
-  int64_t batch_size = 100;
-  double lr = 1e-3;
-  double lr_decay = 0.96;     // multiplied into the learning rate once per decay period, applied smoothly per step
-  int64_t lr_decay_steps = 0;  // the decay period in steps; 0 = one epoch (LoopOptions::lr_decay_steps)
+  /// The loop's options (loop.h): out_dir (default "runs/mnist"), epochs, max_steps, batch_size, lr, the
+  /// schedule (one-cycle: lr is the peak), seed, checkpoint_every, log_every, evaluate_each_epoch, resume,
+  /// progress, precision (compute type of the convolutions and decoder), ...
+  LoopOptions loop;
   /// > 0: the last validation_size training examples are held out as a validation split, evaluated at
   /// every epoch end beside the test set; the best epoch's checkpoint is kept as best.pt (loop.h).
   int64_t validation_size = 0;
-  LrSchedule lr_schedule = LrSchedule::kExponential;  // one-cycle: lr is the peak (loop.h)
-  double warmup_fraction = 0.25;  // one-cycle only
   int64_t max_shift = 2;      // random translation, pixels in each direction
-  uint64_t seed = 1;
-  int64_t checkpoint_every = 500;  // steps; 0 = only at epoch ends and at the end
-  int64_t log_every = 50;          // steps between "train" metric records
-  bool evaluate_each_epoch = true;
   // The epoch-end evaluation's batch: the training batch's size, so that it fits in the pages the training
   // steps use (at 250 it set the run's peak: capsnet train fp32 966 -> 673 MB, bf16 690 -> 544; the same time).
   int64_t eval_batch_size = 100;
-  std::string resume;         // checkpoint path to continue from ("" = start fresh)
-  bool progress = true;
   bool fused_routing = true;  // the fused routing operator (false: composite ops; same math)
-  Precision precision = Precision::kFloat32;  // compute type of the convolutions and decoder
   /// How the data became model inputs, kept in the checkpoint for predict / eval / serve (image folders:
   /// {"image_fit": "resize" | "pad", "data": DIR}). The training set's class names are stored beside it.
   nlohmann::json data_info = nlohmann::json::object();
 
-  /// The loop's share of these options.
-  LoopOptions loop_options() const;
   /// Throws std::invalid_argument naming the first bad option.
   void validate() const;
+  /// loop.to_json() and max_shift.
   nlohmann::json to_json() const;
 };
 

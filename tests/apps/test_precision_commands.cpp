@@ -177,17 +177,17 @@ TEST(EmPrecision, CheckpointOfABf16RunLoadsIntoAnFp32Model) {
   auto set = testing::synthetic_set(16, 28, 5);
   experiments::EmTrainOptions o;
   o.model = em_config();
-  o.out_dir = dir / "run";
-  o.steps = 2;
-  o.batch_size = 8;
+  o.loop.out_dir = dir / "run";
+  o.loop.max_steps = 2;
+  o.loop.batch_size = 8;
   o.test_size = 0;
-  o.log_every = 1;
-  o.progress = false;
-  o.precision = Precision::kBFloat16;
+  o.loop.log_every = 1;
+  o.loop.progress = false;
+  o.loop.precision = Precision::kBFloat16;
   std::ostringstream log;
   auto r = experiments::train_em(o, set, nullptr, log);
   EXPECT_EQ(r.model->precision(), Precision::kBFloat16);
-  EXPECT_EQ(start_options(o.out_dir).at("precision"), "bf16");
+  EXPECT_EQ(start_options(o.loop.out_dir).at("precision"), "bf16");
   EXPECT_NE(log.str().find("bf16 compute"), std::string::npos) << log.str();
   torch::manual_seed(99);  // other initial weights: the load must replace them all
   models::MatrixCapsNet fp32(o.model);
@@ -255,21 +255,21 @@ TEST(SegCapsPrecision, CheckpointOfABf16RunLoadsIntoAnFp32Model) {
   data::DigitSegmentation train_set(testing::synthetic_set(20, 28, 1), 1, d), test_set(testing::synthetic_set(8, 28, 2), 2, d);
   experiments::SegCapsTrainOptions o;
   o.model = segcaps_config(28);
-  o.out_dir = dir / "run";
-  o.steps = 2;
-  o.batch_size = 2;
+  o.loop.out_dir = dir / "run";
+  o.loop.max_steps = 2;
+  o.loop.batch_size = 2;
   o.test_size = 2;
   o.eval_batch_size = 2;
-  o.log_every = 1;
-  o.progress = false;
-  o.precision = Precision::kBFloat16;
+  o.loop.log_every = 1;
+  o.loop.progress = false;
+  o.loop.precision = Precision::kBFloat16;
   std::ostringstream log;
   auto r = experiments::train_segcaps(o, train_set, test_set, log);
   EXPECT_EQ(r.model->precision(), Precision::kBFloat16);
-  EXPECT_EQ(start_options(o.out_dir).at("precision"), "bf16");
+  EXPECT_EQ(start_options(o.loop.out_dir).at("precision"), "bf16");
   torch::manual_seed(99);
   models::SegCaps fp32(o.model);
-  train::load_checkpoint(train::checkpoint_path(o.out_dir), *fp32, nullptr, [&](const nlohmann::json& saved) {
+  train::load_checkpoint(train::checkpoint_path(o.loop.out_dir), *fp32, nullptr, [&](const nlohmann::json& saved) {
     return models::SegCapsConfig::from_json(saved).to_json() == o.model.to_json();
   });
   EXPECT_EQ(fp32->precision(), Precision::kFloat32);
@@ -356,21 +356,21 @@ TEST(Pix2pixPrecision, CheckpointOfABf16RunLoadsIntoAnFp32Model) {
       test_set(testing::synthetic_set(10, 28, 3), 3, maps16());
   experiments::Pix2pixTrainOptions o;
   o.model = pix2pix_config("caps");
-  o.out_dir = dir / "run";
-  o.steps = 2;
-  o.batch_size = 2;
+  o.loop.out_dir = dir / "run";
+  o.loop.max_steps = 2;
+  o.loop.batch_size = 2;
   o.test_size = 2;
   o.eval_batch_size = 2;
   o.diversity_maps = 1;
   o.diversity_samples = 2;
-  o.log_every = 1;
-  o.progress = false;
-  o.precision = Precision::kBFloat16;
+  o.loop.log_every = 1;
+  o.loop.progress = false;
+  o.loop.precision = Precision::kBFloat16;
   std::ostringstream log;
   auto r = experiments::train_pix2pix(o, train_set, test_set, log);
   EXPECT_EQ(r.model->precision(), Precision::kBFloat16);
-  EXPECT_EQ(start_options(o.out_dir).at("precision"), "bf16");
-  auto fp32 = experiments::load_pix2pix(train::checkpoint_path(o.out_dir));  // built with fp32, as any loader is
+  EXPECT_EQ(start_options(o.loop.out_dir).at("precision"), "bf16");
+  auto fp32 = experiments::load_pix2pix(train::checkpoint_path(o.loop.out_dir));  // built with fp32, as any loader is
   EXPECT_EQ(fp32->precision(), Precision::kFloat32);
   expect_equal_fp32_weights(*fp32, *r.model);
   // clone() rebuilds the networks: they keep the pair's precision.

@@ -472,12 +472,12 @@ TEST(Reliability, ADivergenceBeforeTheFirstSaveSaysThePreviousRunsCheckpointIsSt
   const auto previous = read_bytes(out + "/checkpoint.pt");
   train::TrainOptions o;
   o.model = tiny_config();
-  o.out_dir = out;
-  o.batch_size = 16;
-  o.max_steps = 3;
-  o.checkpoint_every = 0;
-  o.lr = 1e30;  // the first step overflows every weight: the second loss is not finite
-  o.progress = false;
+  o.loop.out_dir = out;
+  o.loop.batch_size = 16;
+  o.loop.max_steps = 3;
+  o.loop.checkpoint_every = 0;
+  o.loop.lr = 1e30;  // the first step overflows every weight: the second loss is not finite
+  o.loop.progress = false;
   auto set = testing::synthetic_set(64, 12, 5);
   std::ostringstream log;
   try {

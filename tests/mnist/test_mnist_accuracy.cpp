@@ -22,10 +22,10 @@ TEST(MnistAccuracyTest, PaperModelReaches97PercentOnTheFullTestSet) {
 
   testing::TempDir out;
   train::TrainOptions o;  // the paper's model and the CLI's defaults: batch 100, Adam 1e-3, shifts of 2 px
-  o.out_dir = out.str();
-  o.epochs = 1;
-  o.checkpoint_every = 0;
-  o.progress = false;
+  o.loop.out_dir = out.str();
+  o.loop.epochs = 1;
+  o.loop.checkpoint_every = 0;
+  o.loop.progress = false;
   auto r = train::train(o, train_set, &test_set, std::cout);
   ASSERT_TRUE(r.test.has_value());
   std::cout << "test accuracy " << 100 * r.test->accuracy << "% after " << r.end_step << " steps, "

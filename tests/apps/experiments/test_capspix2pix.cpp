@@ -272,15 +272,15 @@ TEST(CapsPix2pixTrain, LoopTrainsResumesExactlyAndEvaluates) {
   LabelMaps train_set(blob_set(20, 1), 2, maps16()), test_set(blob_set(10, 5), 3, maps16());
   capsnet::experiments::Pix2pixTrainOptions o;
   o.model = tiny("caps");
-  o.steps = 4;
-  o.batch_size = 3;
+  o.loop.max_steps = 4;
+  o.loop.batch_size = 3;
   o.test_size = 4;
   o.eval_batch_size = 2;
   o.diversity_maps = 2;
   o.diversity_samples = 3;
-  o.log_every = 1;
-  o.progress = false;
-  o.out_dir = dir / "straight";
+  o.loop.log_every = 1;
+  o.loop.progress = false;
+  o.loop.out_dir = dir / "straight";
   std::ostringstream log;
   auto straight = capsnet::experiments::train_pix2pix(o, train_set, test_set, log);
   EXPECT_EQ(straight.steps, 4);
@@ -291,7 +291,7 @@ TEST(CapsPix2pixTrain, LoopTrainsResumesExactlyAndEvaluates) {
   EXPECT_LE(straight.test.ssim, 1);
   EXPECT_NE(log.str().find("PatchGAN discriminator"), std::string::npos) << log.str();
   {
-    std::ifstream metrics(capsnet::train::metrics_path(o.out_dir));
+    std::ifstream metrics(capsnet::train::metrics_path(o.loop.out_dir));
     std::string start, train;
     std::getline(metrics, start);
     std::getline(metrics, train);
@@ -299,17 +299,17 @@ TEST(CapsPix2pixTrain, LoopTrainsResumesExactlyAndEvaluates) {
     for (const char* key : {"d_loss", "g_gan", "l1", "loss"}) EXPECT_TRUE(r.contains(key)) << train;
   }
   // 2 steps, then resume to 4: the same weights as 4 straight (both networks, Adam state, z stream).
-  o.out_dir = dir / "half";
-  o.steps = 2;
+  o.loop.out_dir = dir / "half";
+  o.loop.max_steps = 2;
   capsnet::experiments::train_pix2pix(o, train_set, test_set, log);
-  o.steps = 4;
-  o.resume = capsnet::train::checkpoint_path(dir / "half");
+  o.loop.max_steps = 4;
+  o.loop.resume = capsnet::train::checkpoint_path(dir / "half");
   auto resumed = capsnet::experiments::train_pix2pix(o, train_set, test_set, log);
   auto a = straight.model->parameters(), b = resumed.model->parameters();
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-6, 1e-7)) << "parameter " << i;
   // The checkpoint loads back into a model that generates the same images.
-  auto loaded = capsnet::experiments::load_pix2pix(capsnet::train::checkpoint_path(o.out_dir));
+  auto loaded = capsnet::experiments::load_pix2pix(capsnet::train::checkpoint_path(o.loop.out_dir));
   auto batch = test_set.generate(0, 2);
   auto z = capsnet::experiments::eval_noise(7, 0, 2, 2);
   torch::NoGradGuard ng;

@@ -819,11 +819,11 @@ TEST(EmTraining, AdamStepsOnOneBatchLowerItsSpreadLoss) {
 experiments::EmTrainOptions quiet_em_options(int64_t steps) {
   experiments::EmTrainOptions o;
   o.model = tiny_em_config();
-  o.steps = steps;
-  o.batch_size = 8;
+  o.loop.max_steps = steps;
+  o.loop.batch_size = 8;
   o.test_size = 0;
-  o.log_every = 1;
-  o.progress = false;
+  o.loop.log_every = 1;
+  o.loop.progress = false;
   return o;
 }
 
@@ -838,12 +838,12 @@ TEST(EmTraining, PreIssue14CheckpointResumesOnlyWithTheOldRouting) {
   o.model.lambda_schedule = "linear";
   o.model.logit_offset_outside_lambda = false;
   o.model.cross_window_routing = false;
-  o.out_dir = dir / "a";
+  o.loop.out_dir = dir / "a";
   std::ostringstream log;
   const auto first = experiments::train_em(o, set, nullptr, log);
   auto meta = train::read_checkpoint_meta(first.model_path);
   models::MatrixCapsNet net(o.model);
-  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(o.lr));
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(o.loop.lr));
   train::load_checkpoint(first.model_path, *net, &adam, [](const nlohmann::json&) { return true; });
   for (const char* key : {"lambda_schedule", "lambda_base", "logit_offset_outside_lambda", "cross_window_routing"})
     ASSERT_EQ(meta.model_config.erase(key), 1u) << key;
@@ -851,13 +851,13 @@ TEST(EmTraining, PreIssue14CheckpointResumesOnlyWithTheOldRouting) {
   train::save_checkpoint(old_path, *net, &adam, meta);
 
   auto resumed = o;
-  resumed.out_dir = dir / "b";
-  resumed.steps = 3;
-  resumed.resume = old_path;
+  resumed.loop.out_dir = dir / "b";
+  resumed.loop.max_steps = 3;
+  resumed.loop.resume = old_path;
   EXPECT_EQ(experiments::train_em(resumed, set, nullptr, log).steps, 3) << log.str();
   auto fresh = resumed;
   fresh.model = tiny_em_config();
-  fresh.out_dir = dir / "c";
+  fresh.loop.out_dir = dir / "c";
   EXPECT_ANY_THROW(experiments::train_em(fresh, set, nullptr, log));
 }
 
@@ -873,15 +873,15 @@ TEST(EmTraining, ShiftAugmentationMovesTheImagesAndResumesExactly) {
   o.margin_start = o.margin_end = 0.5;  // a margin that does not depend on the run's length
   std::ostringstream log;
   auto run = [&](experiments::EmTrainOptions options, const std::string& name) {
-    options.out_dir = dir / name;
+    options.loop.out_dir = dir / name;
     return experiments::train_em(options, set, nullptr, log);
   };
   const auto straight = run(o, "straight");
   auto first_half = o;
-  first_half.steps = 2;
+  first_half.loop.max_steps = 2;
   const auto half = run(first_half, "half");
   auto second_half = o;
-  second_half.resume = half.model_path;
+  second_half.loop.resume = half.model_path;
   const auto resumed = run(second_half, "resumed");
   auto unshifted = o;
   unshifted.max_shift = 0;
@@ -897,8 +897,8 @@ TEST(EmTraining, ShiftAugmentationMovesTheImagesAndResumesExactly) {
   EXPECT_GT(shift_effect, 1e-6);
   // A run with shifts does not resume from one without (the batches would differ from the first run's).
   auto mixed = o;
-  mixed.resume = plain.model_path;
-  mixed.steps = 5;
+  mixed.loop.resume = plain.model_path;
+  mixed.loop.max_steps = 5;
   EXPECT_ANY_THROW(run(mixed, "mixed"));
   auto too_far = o;
   too_far.max_shift = 28;

@@ -371,13 +371,13 @@ TEST(MultiMnistTrainTest, TrainWritesMetricsCheckpointAndEvaluates) {
   TempDir dir;
   experiments::MultiMnistTrainOptions o;
   o.model = s.config;
-  o.out_dir = dir / "run";
-  o.steps = 6;
-  o.batch_size = 8;
-  o.log_every = 3;
+  o.loop.out_dir = dir / "run";
+  o.loop.max_steps = 6;
+  o.loop.batch_size = 8;
+  o.loop.log_every = 3;
   o.test_size = 40;
   o.eval_batch_size = 16;
-  o.progress = false;
+  o.loop.progress = false;
   std::ostringstream log;
   auto r = experiments::train_multimnist(o, s.train_pairs, &s.test_pairs, log);
   EXPECT_EQ(r.steps, 6);
@@ -389,7 +389,7 @@ TEST(MultiMnistTrainTest, TrainWritesMetricsCheckpointAndEvaluates) {
   EXPECT_LE(r.test->accuracy, r.test->digit_accuracy + 1e-12);  // both found implies each found
   EXPECT_EQ(r.test->overlap.examples, 40);
 
-  std::ifstream in(train::metrics_path(o.out_dir));
+  std::ifstream in(train::metrics_path(o.loop.out_dir));
   std::vector<std::string> events;
   for (std::string line; std::getline(in, line);) events.push_back(nlohmann::json::parse(line).at("event"));
   EXPECT_EQ(events, (std::vector<std::string>{"start", "train", "train", "checkpoint", "eval", "end"}));
@@ -402,7 +402,7 @@ TEST(MultiMnistTrainTest, TrainWritesMetricsCheckpointAndEvaluates) {
   // A generator whose canvas does not fit the model is refused by name.
   MultiMnist big(testing::synthetic_set(20, 28, 1), 1);
   EXPECT_NE(error_of([&] { experiments::train_multimnist(o, big, nullptr, log); }).find("36x36"), std::string::npos);
-  o.steps = 0;
+  o.loop.max_steps = 0;
   EXPECT_THROW(experiments::train_multimnist(o, s.train_pairs, nullptr, log), std::invalid_argument);
 }
 
@@ -416,19 +416,19 @@ TEST(MultiMnistTrainTest, ResumeReproducesTheUninterruptedRunExactly) {
   auto options = [&](const std::string& out, int64_t steps) {
     experiments::MultiMnistTrainOptions o;
     o.model = s.config;
-    o.out_dir = dir / out;
-    o.steps = steps;
-    o.batch_size = 6;
-    o.lr = 3e-3;
-    o.seed = 5;
+    o.loop.out_dir = dir / out;
+    o.loop.max_steps = steps;
+    o.loop.batch_size = 6;
+    o.loop.lr = 3e-3;
+    o.loop.seed = 5;
     o.test_size = 0;
-    o.progress = false;
+    o.loop.progress = false;
     return o;
   };
   auto full = experiments::train_multimnist(options("full", 5), s.train_pairs, nullptr, log);
   auto first = experiments::train_multimnist(options("part", 2), s.train_pairs, nullptr, log);
   auto rest_options = options("rest", 5);
-  rest_options.resume = first.checkpoint;
+  rest_options.loop.resume = first.checkpoint;
   auto rest = experiments::train_multimnist(rest_options, s.train_pairs, nullptr, log);
   ASSERT_EQ(full.losses.size(), 5u);
   ASSERT_EQ(rest.losses.size(), 3u);
@@ -442,13 +442,13 @@ TEST(MultiMnistTrainTest, ResumeReproducesTheUninterruptedRunExactly) {
 
   // A resume with options that change the batch sequence is refused by name.
   auto changed = options("changed", 5);
-  changed.resume = first.checkpoint;
-  changed.batch_size = 7;
+  changed.loop.resume = first.checkpoint;
+  changed.loop.batch_size = 7;
   EXPECT_NE(error_of([&] { experiments::train_multimnist(changed, s.train_pairs, nullptr, log); }).find("batch_size"),
             std::string::npos);
   // So is a checkpoint of another task's model.
   auto other = options("other", 5);
-  other.resume = first.checkpoint;
+  other.loop.resume = first.checkpoint;
   other.model.routing_iterations = s.config.routing_iterations + 1;
   EXPECT_NE(error_of([&] { experiments::train_multimnist(other, s.train_pairs, nullptr, log); }).find("does not match"),
             std::string::npos);
@@ -467,12 +467,12 @@ TEST(MultiMnistTrainTest, ResumeWithAnotherOverlayIsRefusedAndOldCheckpointsRead
   auto options = [&](const std::string& out, int64_t steps, const std::string& resume) {
     experiments::MultiMnistTrainOptions o;
     o.model = testing::tiny_config();
-    o.out_dir = dir / out;
-    o.steps = steps;
-    o.batch_size = 4;
+    o.loop.out_dir = dir / out;
+    o.loop.max_steps = steps;
+    o.loop.batch_size = 4;
     o.test_size = 0;
-    o.progress = false;
-    o.resume = resume;
+    o.loop.progress = false;
+    o.loop.resume = resume;
     return o;
   };
   auto with_add = experiments::train_multimnist(options("add", 1, ""), add_pairs, nullptr, log);
@@ -520,15 +520,15 @@ TEST(MultiMnistCnnTest, TrainsEvaluatesEveryNStepsAndItsCheckpointHoldsTheEvalua
   experiments::MultiMnistTrainOptions o;
   o.which = experiments::MultiMnistModel::kCnn;
   o.cnn = testing::tiny_cnn_config(12);
-  o.out_dir = dir / "run";
-  o.steps = 30;
-  o.batch_size = 16;
-  o.lr = 3e-3;
-  o.log_every = 10;
-  o.eval_every = 10;
+  o.loop.out_dir = dir / "run";
+  o.loop.max_steps = 30;
+  o.loop.batch_size = 16;
+  o.loop.lr = 3e-3;
+  o.loop.log_every = 10;
+  o.loop.eval_every = 10;
   o.test_size = 40;
   o.eval_batch_size = 16;
-  o.progress = false;
+  o.loop.progress = false;
   std::ostringstream log;
   auto r = experiments::train_multimnist(o, s.train_pairs, &s.test_pairs, log);
   EXPECT_EQ(r.steps, 30);
@@ -540,7 +540,7 @@ TEST(MultiMnistCnnTest, TrainsEvaluatesEveryNStepsAndItsCheckpointHoldsTheEvalua
   for (int i = 0; i < 10; ++i) first += r.losses[i], last += r.losses[20 + i];
   EXPECT_LT(last, first) << log.str();
   // A learning curve: eval records at steps 10, 20 and 30, each with the error.
-  std::ifstream in(train::metrics_path(o.out_dir));
+  std::ifstream in(train::metrics_path(o.loop.out_dir));
   std::vector<int64_t> eval_steps;
   for (std::string line; std::getline(in, line);) {
     auto j = nlohmann::json::parse(line);

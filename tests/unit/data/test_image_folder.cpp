@@ -312,12 +312,12 @@ TEST(ImageFolderTest, MnistAsAFolderTrainsExactlyLikeTheIdxFiles) {
     o.model = models::CapsNetConfig{};
     o.model.conv1_channels = 16;
     o.model.primary_types = 4;
-    o.out_dir = out;
-    o.batch_size = 20;
-    o.max_steps = 4;
-    o.seed = 3;
-    o.progress = false;
-    o.evaluate_each_epoch = false;
+    o.loop.out_dir = out;
+    o.loop.batch_size = 20;
+    o.loop.max_steps = 4;
+    o.loop.seed = 3;
+    o.loop.progress = false;
+    o.loop.evaluate_each_epoch = false;
     return o;
   };
   std::ostringstream log;
@@ -338,18 +338,18 @@ TEST(ImageFolderTest, ColourImagesTrainAThreeChannelCapsNet) {
   o.model.image_size = 32;
   o.model.image_channels = 3;
   TempDir dir;
-  o.out_dir = dir / "run";
-  o.batch_size = 20;
-  o.max_steps = 6;
-  o.lr = 3e-3;
-  o.progress = false;
-  o.evaluate_each_epoch = false;
+  o.loop.out_dir = dir / "run";
+  o.loop.batch_size = 20;
+  o.loop.max_steps = 6;
+  o.loop.lr = 3e-3;
+  o.loop.progress = false;
+  o.loop.evaluate_each_epoch = false;
   std::ostringstream log;
   auto r = train::train(o, set, nullptr, log);
   ASSERT_EQ(r.losses.size(), 6u);
   EXPECT_LT(r.losses.back(), r.losses.front());
   // A grey set for a colour model is refused, naming both.
-  o.out_dir = dir / "run2";
+  o.loop.out_dir = dir / "run2";
   expect_throws_containing([&] { train::train(o, src, nullptr, log); }, {"1 channel", "3"});
 }
 

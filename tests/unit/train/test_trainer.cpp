@@ -21,13 +21,13 @@ using testing::TempDir;
 train::TrainOptions tiny_options(const std::string& out_dir) {
   train::TrainOptions o;
   o.model = testing::tiny_config();
-  o.out_dir = out_dir;
-  o.batch_size = 16;
-  o.lr = 3e-3;
+  o.loop.out_dir = out_dir;
+  o.loop.batch_size = 16;
+  o.loop.lr = 3e-3;
   o.max_shift = 1;
-  o.seed = 7;
-  o.progress = false;
-  o.log_every = 2;
+  o.loop.seed = 7;
+  o.loop.progress = false;
+  o.loop.log_every = 2;
   return o;
 }
 
@@ -44,18 +44,18 @@ TEST(TrainerTest, ResumeReproducesTheUninterruptedRunExactly) {
   std::ostringstream log;
 
   auto full = tiny_options(dir / "full");
-  full.max_steps = 7;  // crosses two epoch boundaries
+  full.loop.max_steps = 7;  // crosses two epoch boundaries
   auto a = train::train(full, set, nullptr, log);
   ASSERT_EQ(a.losses.size(), 7u);
 
   auto first = tiny_options(dir / "part");
-  first.max_steps = 3;
+  first.loop.max_steps = 3;
   auto b = train::train(first, set, nullptr, log);
   ASSERT_EQ(b.losses.size(), 3u);
 
   auto rest = tiny_options(dir / "rest");
-  rest.max_steps = 7;
-  rest.resume = b.checkpoint;
+  rest.loop.max_steps = 7;
+  rest.loop.resume = b.checkpoint;
   auto c = train::train(rest, set, nullptr, log);
   ASSERT_EQ(c.start_step, 3);
   ASSERT_EQ(c.losses.size(), 4u);
@@ -75,7 +75,7 @@ TEST(TrainerTest, LossDecreasesAndMetricsAreWritten) {
   TempDir dir;
   std::ostringstream log;
   auto o = tiny_options(dir / "run");
-  o.epochs = 4;
+  o.loop.epochs = 4;
   auto r = train::train(o, set, &test, log);
   ASSERT_EQ(r.losses.size(), 40u);
   double head = 0, tail = 0;
@@ -85,7 +85,7 @@ TEST(TrainerTest, LossDecreasesAndMetricsAreWritten) {
   EXPECT_EQ(r.test->examples, 40);
   EXPECT_EQ(r.test->confusion.sum().item<int64_t>(), 40);
 
-  auto records = read_jsonl(train::metrics_path(o.out_dir));
+  auto records = read_jsonl(train::metrics_path(o.loop.out_dir));
   ASSERT_FALSE(records.empty());
   EXPECT_EQ(records.front()["event"], "start");
   EXPECT_EQ(records.front()["parameters"], models::count_parameters(*models::CapsNet(o.model)));
@@ -112,20 +112,20 @@ std::vector<double> logged_rates(const std::string& out_dir, int64_t steps, int6
   auto set = testing::synthetic_set(32, 12, 4);
   std::ostringstream log;
   auto o = tiny_options(out_dir);
-  o.max_steps = steps;
-  o.log_every = 1;
-  o.lr_decay = 0.5;
-  o.lr_decay_steps = lr_decay_steps;
+  o.loop.max_steps = steps;
+  o.loop.log_every = 1;
+  o.loop.lr_decay = 0.5;
+  o.loop.lr_decay_steps = lr_decay_steps;
   train::train(o, set, nullptr, log);
   std::vector<double> lrs;
-  for (const auto& j : read_jsonl(train::metrics_path(o.out_dir)))
+  for (const auto& j : read_jsonl(train::metrics_path(o.loop.out_dir)))
     if (j["event"] == "train") lrs.push_back(j["lr"].get<double>());
   return lrs;
 }
 
 TEST(TrainerTest, LearningRateDecaysPerEpoch) {
   TempDir dir;
-  const double lr = tiny_options("").lr;
+  const double lr = tiny_options("").loop.lr;
   const auto lrs = logged_rates(dir / "run", 4, 0);
   ASSERT_EQ(lrs.size(), 4u);
   EXPECT_DOUBLE_EQ(lrs[0], lr);                  // step 0
@@ -136,7 +136,7 @@ TEST(TrainerTest, LearningRateDecaysPerEpoch) {
 TEST(TrainerTest, LearningRateDecaysPerPeriodOfSteps) {
   // The authors' schedule: x lr_decay every lr_decay_steps steps, whatever the epoch length (smoothly).
   TempDir dir;
-  const double lr = tiny_options("").lr;
+  const double lr = tiny_options("").loop.lr;
   const auto lrs = logged_rates(dir / "run", 5, 4);
   ASSERT_EQ(lrs.size(), 5u);
   EXPECT_DOUBLE_EQ(lrs[0], lr);
@@ -144,7 +144,7 @@ TEST(TrainerTest, LearningRateDecaysPerPeriodOfSteps) {
   EXPECT_DOUBLE_EQ(lrs[4], lr * 0.5);             // 4 steps = one period
 
   auto o = tiny_options(dir / "bad");
-  o.lr_decay_steps = -1;
+  o.loop.lr_decay_steps = -1;
   EXPECT_THROW(o.validate(), std::invalid_argument);
 }
 
@@ -155,7 +155,7 @@ TEST(TrainerTest, ValidationSplitIsTheLastExamplesAndPicksTheBestCheckpoint) {
   std::ostringstream log;
   auto o = tiny_options(dir / "run");
   o.validation_size = 16;
-  o.epochs = 4;
+  o.loop.epochs = 4;
   auto r = train::train(o, set, &test, log);
   EXPECT_EQ(r.losses.size(), 12u) << "the held-out examples are not trained on";
   ASSERT_TRUE(r.validation && r.test);
@@ -172,7 +172,7 @@ TEST(TrainerTest, ValidationSplitIsTheLastExamplesAndPicksTheBestCheckpoint) {
   // accuracy (ties: lower loss), and its checkpoint says so.
   std::vector<nlohmann::json> vals;
   int tests = 0;
-  auto records = read_jsonl(train::metrics_path(o.out_dir));
+  auto records = read_jsonl(train::metrics_path(o.loop.out_dir));
   for (const auto& j : records) {
     if (j["event"] == "eval" && j["split"] == "val") vals.push_back(j);
     if (j["event"] == "eval" && j["split"] == "test") ++tests;
@@ -189,7 +189,7 @@ TEST(TrainerTest, ValidationSplitIsTheLastExamplesAndPicksTheBestCheckpoint) {
   ASSERT_TRUE(r.best_validation_accuracy);
   EXPECT_EQ(*r.best_validation_accuracy, vals[best]["accuracy"].get<double>());
   EXPECT_EQ(r.best_validation_step, vals[best]["step"].get<int64_t>());
-  const auto best_path = train::best_checkpoint_path(o.out_dir);
+  const auto best_path = train::best_checkpoint_path(o.loop.out_dir);
   const auto meta = train::read_checkpoint_meta(best_path);
   EXPECT_EQ(meta.step, r.best_validation_step);
   EXPECT_EQ(meta.train_options["best_validation"]["step"], r.best_validation_step);
@@ -203,12 +203,12 @@ TEST(TrainerTest, AResumeKeepsTheBestValidationAndAFreshRunDropsTheOldBest) {
   std::ostringstream log;
   auto o = tiny_options(dir / "run");
   o.validation_size = 16;
-  o.epochs = 2;
+  o.loop.epochs = 2;
   auto a = train::train(o, set, nullptr, log);
   ASSERT_TRUE(a.best_validation_accuracy);
   auto rest = o;
-  rest.epochs = 3;
-  rest.resume = a.checkpoint;
+  rest.loop.epochs = 3;
+  rest.loop.resume = a.checkpoint;
   auto b = train::train(rest, set, nullptr, log);
   ASSERT_TRUE(b.best_validation_accuracy);
   EXPECT_GE(*b.best_validation_accuracy, *a.best_validation_accuracy);  // the earlier best is remembered
@@ -223,10 +223,10 @@ TEST(TrainerTest, AResumeKeepsTheBestValidationAndAFreshRunDropsTheOldBest) {
   EXPECT_THROW(bad.validate(), std::invalid_argument);
 
   // A fresh run without validation in the same folder leaves no stale best.pt behind.
-  auto fresh = tiny_options(o.out_dir);
-  fresh.max_steps = 1;
+  auto fresh = tiny_options(o.loop.out_dir);
+  fresh.loop.max_steps = 1;
   train::train(fresh, set, nullptr, log);
-  EXPECT_FALSE(std::filesystem::exists(train::best_checkpoint_path(o.out_dir)));
+  EXPECT_FALSE(std::filesystem::exists(train::best_checkpoint_path(o.loop.out_dir)));
 }
 
 TEST(TrainerTest, DivergenceStopsWithClearErrorAndKeepsLastGoodCheckpoint) {
@@ -234,9 +234,9 @@ TEST(TrainerTest, DivergenceStopsWithClearErrorAndKeepsLastGoodCheckpoint) {
   TempDir dir;
   std::ostringstream log;
   auto o = tiny_options(dir / "run");
-  o.max_steps = 20;
-  o.checkpoint_every = 1;
-  o.lr = 1e30;  // the first Adam step moves every weight by ~1e30: the next forward overflows
+  o.loop.max_steps = 20;
+  o.loop.checkpoint_every = 1;
+  o.loop.lr = 1e30;  // the first Adam step moves every weight by ~1e30: the next forward overflows
   try {
     train::train(o, set, nullptr, log);
     FAIL() << "expected TrainingDiverged";
@@ -246,7 +246,7 @@ TEST(TrainerTest, DivergenceStopsWithClearErrorAndKeepsLastGoodCheckpoint) {
     EXPECT_NE(msg.find("lower learning rate"), std::string::npos) << msg;
   }
   // Whatever checkpoint exists is loadable and finite.
-  const auto ckpt = train::checkpoint_path(o.out_dir);
+  const auto ckpt = train::checkpoint_path(o.loop.out_dir);
   if (std::filesystem::exists(ckpt)) {
     auto model = train::load_model(ckpt);
     for (const auto& p : model->parameters()) EXPECT_TRUE(torch::isfinite(p).all().item<bool>());
@@ -258,14 +258,14 @@ TEST(TrainerTest, ResumeRejectsOptionsThatWouldChangeTheRun) {
   TempDir dir;
   std::ostringstream log;
   auto o = tiny_options(dir / "run");
-  o.max_steps = 1;
+  o.loop.max_steps = 1;
   auto r = train::train(o, set, nullptr, log);
   // Each option that changes the sequence of updates is refused by name (the decay period too: a
   // checkpoint from before it had one decays per epoch, 0).
   auto refused = [&](const std::string& option, const std::function<void(train::TrainOptions&)>& change) {
     auto again = tiny_options(dir / "run2");
-    again.max_steps = 2;
-    again.resume = r.checkpoint;
+    again.loop.max_steps = 2;
+    again.loop.resume = r.checkpoint;
     change(again);
     try {
       train::train(again, set, nullptr, log);
@@ -274,8 +274,8 @@ TEST(TrainerTest, ResumeRejectsOptionsThatWouldChangeTheRun) {
       EXPECT_NE(std::string(e.what()).find(option), std::string::npos) << e.what();
     }
   };
-  refused("batch_size", [](train::TrainOptions& t) { t.batch_size = 8; });
-  refused("lr_decay_steps", [](train::TrainOptions& t) { t.lr_decay_steps = 2000; });
+  refused("batch_size", [](train::TrainOptions& t) { t.loop.batch_size = 8; });
+  refused("lr_decay_steps", [](train::TrainOptions& t) { t.loop.lr_decay_steps = 2000; });
 }
 
 TEST(TrainerTest, InvalidOptionsAreRejectedByName) {
@@ -291,15 +291,15 @@ TEST(TrainerTest, InvalidOptionsAreRejectedByName) {
     }
   };
   auto base = tiny_options(dir / "x");
-  base.max_steps = 1;
+  base.loop.max_steps = 1;
   auto o = base;
-  o.batch_size = 0;
+  o.loop.batch_size = 0;
   expect_invalid(o, "batch_size");
   o = base;
-  o.lr = -1;
+  o.loop.lr = -1;
   expect_invalid(o, "lr must be");
   o = base;
-  o.lr_decay = 1.5;
+  o.loop.lr_decay = 1.5;
   expect_invalid(o, "lr_decay");
   o = base;
   o.max_shift = 12;
