@@ -193,6 +193,8 @@ int run(const Flags& f) {
                           {"final_train_accuracy", stats.final_train_accuracy},
                           {"scored_checkpoint", trained.scored},
                           {"curve", stats.curve},
+                          {"best_val_accuracy", stats.best_step ? nlohmann::json(stats.best_val_accuracy) : nlohmann::json()},
+                          {"best_val_step", stats.best_step ? nlohmann::json(*stats.best_step) : nlohmann::json()},
                           {"test_accuracy", acc},
                           {"test_error", 1 - acc},
                           {"eval_seconds", eval_seconds},
@@ -235,16 +237,20 @@ int run(const Flags& f) {
       "per run, seed {}, {} test digits (seed {}){}.\n\n",
       t.epochs > 0 ? fmt::format("{} epochs", t.epochs) : fmt::format("{} steps", t.steps), t.batch_size, t.seed,
       test_set.size(), f.test_seed, f.small ? ", --small models" : "");
-  table += "| model | STN | parameters | train s | img/s | final train acc | test accuracy | test error | mean |θ−I| | mean det |\n";
-  table += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  table += "| model | STN | parameters | train s | img/s | final train acc | best val acc (step) | test accuracy | test "
+           "error | mean |θ−I| | mean det |\n";
+  table += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   std::cout << fmt::format("{:<12} {:>11} {:>6} {:>8} {:>10} {:>10}\n", "run", "parameters", "steps", "train s",
                            "train acc", "test acc");
   for (const auto& row : results) {
     const bool has_theta = row.contains("theta");
     table += fmt::format(
-        "| {} | {} | {} | {:.1f} | {:.1f} | {:.2f}% | {:.2f}% | {:.2f}% | {} | {} |\n", row["model"].get<std::string>(),
+        "| {} | {} | {} | {:.1f} | {:.1f} | {:.2f}% | {} | {:.2f}% | {:.2f}% | {} | {} |\n", row["model"].get<std::string>(),
         row["stn"].get<bool>() ? "yes" : "no", row["parameters"].get<int64_t>(), row["train_seconds"].get<double>(),
         row["train_images_per_second"].get<double>(), 100 * row["final_train_accuracy"].get<double>(),
+        row["best_val_step"].is_null() ? "–"
+                                        : fmt::format("{:.2f}% ({})", 100 * row["best_val_accuracy"].get<double>(),
+                                                      row["best_val_step"].get<int64_t>()),
         100 * row["test_accuracy"].get<double>(), 100 * row["test_error"].get<double>(),
         has_theta ? fmt::format("{:.3f}", row["theta"]["mean_abs_theta_minus_identity"].get<double>()) : "–",
         has_theta ? fmt::format("{:.3f}", row["theta"]["mean_linear_determinant"].get<double>()) : "–");

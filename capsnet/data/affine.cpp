@@ -235,4 +235,21 @@ ImageSet translated_set(const ImageSet& source, uint64_t seed, int64_t canvas, i
   return out;
 }
 
+std::vector<WarpSet> robustness_family() {
+  const auto only = [](double rotation, double shear, double min_scale, double max_scale) {
+    AffineRanges r;
+    r.max_rotation_deg = rotation, r.max_shear = shear, r.min_scale = min_scale, r.max_scale = max_scale;
+    return r;
+  };
+  std::vector<WarpSet> sets = {{"none", "translation only", 0, only(0, 0, 1, 1)}};
+  for (double deg : {10, 20, 30, 45})
+    sets.push_back({"rotation", fmt::format("rotation ±{:g}°", deg), deg, only(deg, 0, 1, 1)});
+  for (double k : {0.1, 0.2, 0.4}) sets.push_back({"shear", fmt::format("shear ±{:g}", k), k, only(0, k, 1, 1)});
+  for (double d : {0.2, 0.4})
+    sets.push_back({"scale", fmt::format("scale {:g}–{:g} per axis", 1 - d, 1 + d), d, only(0, 0, 1 - d, 1 + d)});
+  sets.push_back({"combined", "affNIST-style (±20°, shear ±0.1, scale 0.8–1.2)", 1, AffineRanges{}});
+  sets.push_back({"combined", "±20°, shear ±0.2, scale 0.8–1.2", 2, only(20, 0.2, 0.8, 1.2)});
+  return sets;
+}
+
 }  // namespace capsnet::data

@@ -14,6 +14,8 @@
 
 #include <array>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "capsnet/data/mnist.h"
 
@@ -80,6 +82,20 @@ AffineParams draw_affine_params(uint64_t seed, int64_t index, const BoundingBox&
 /// rounded to uint8. Labels are copied. Example i depends only on (seed, i, source image i), so a
 /// prefix of the source gives a prefix of the set. Returns images [N, canvas, canvas] uint8.
 ImageSet affine_test_set(const ImageSet& source, uint64_t seed, int64_t canvas = 40, const AffineRanges& ranges = {});
+
+/// One test set of a robustness curve: the same test digits under one family of warps at one severity.
+struct WarpSet {
+  std::string family;  // "none", "rotation", "shear", "scale", "combined"
+  std::string name;    // e.g. "rotation ±30°"
+  double severity;     // the x of the family's curve: degrees, shear coefficient, scale spread d, or 1, 2
+  AffineRanges ranges;
+};
+
+/// The robustness family of `capsnet affine`, 12 sets: translation only ("none"); rotation alone up to
+/// ±10, 20, 30, 45°; shear alone up to ±0.1, 0.2, 0.4; each axis' scale alone in 1 ± 0.2, 1 ± 0.4; and two
+/// combined settings (the affNIST-style AffineRanges{} and the same with shear ±0.2). Each set places the
+/// warped digit uniformly inside the canvas (affine_test_set), so "none" is every curve's first point.
+std::vector<WarpSet> robustness_family();
 
 /// Translated-MNIST set: every image of `source` placed in a canvas x canvas image by place_in_canvas
 /// with a generator seeded by `seed` (the test set of the paper's 40x40 translated-MNIST training

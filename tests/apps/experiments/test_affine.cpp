@@ -8,12 +8,19 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <algorithm>
+#include <map>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "capsnet/data/affine.h"
 #include "capsnet/data/idx.h"
 #include "capsnet/data/transforms.h"
 #include "capsnet/models/baseline_cnn.h"
 #include "capsnet/models/capsnet.h"
+#include "capsnet/train/checkpoint.h"
 #include "capsnet/viz/png.h"
 #include "test_helpers.h"
 #include "tiny_configs.h"
@@ -354,6 +361,70 @@ TEST(AffineDataTest, BadArgumentsThrowClearly) {
   EXPECT_THROW(data::affine_matrix({}, 0, 28, 40, 40), std::invalid_argument);
 }
 
+/// Each image's ink-weighted spread around its own centre of mass along its principal axes: the larger
+/// and the smaller standard deviation in pixels.
+std::vector<std::pair<double, double>> principal_spreads(const data::ImageSet& set) {
+  std::vector<std::pair<double, double>> out;
+  const auto images = set.images.to(torch::kDouble);
+  const int64_t h = images.size(1), w = images.size(2);
+  const auto ys = torch::arange(h, torch::kDouble).view({h, 1}).expand({h, w});
+  const auto xs = torch::arange(w, torch::kDouble).view({1, w}).expand({h, w});
+  for (int64_t i = 0; i < set.size(); ++i) {
+    const auto m = images[i];
+    const double mass = m.sum().item<double>();
+    const double cx = (m * xs).sum().item<double>() / mass, cy = (m * ys).sum().item<double>() / mass;
+    const double sxx = (m * (xs - cx).pow(2)).sum().item<double>() / mass;
+    const double syy = (m * (ys - cy).pow(2)).sum().item<double>() / mass;
+    const double sxy = (m * (xs - cx) * (ys - cy)).sum().item<double>() / mass;
+    const double mid = (sxx + syy) / 2, rad = std::sqrt((sxx - syy) * (sxx - syy) / 4 + sxy * sxy);
+    out.emplace_back(std::sqrt(mid + rad), std::sqrt(std::max(0.0, mid - rad)));
+  }
+  return out;
+}
+
+// The robustness family: 12 sets, each family varying only its own parameter at increasing severity;
+// rotation and shear keep the ink (area-preserving), rotation keeps each digit's principal spreads (a
+// rigid motion), and a stronger shear or anisotropic scale changes each digit's shape more.
+TEST(AffineDataTest, TheRobustnessFamilyVariesOneWarpAtATimeAndItsSetsShowIt) {
+  const auto family = data::robustness_family();
+  ASSERT_EQ(family.size(), 12u);
+  EXPECT_EQ(family[0].family, "none");
+  std::map<std::string, double> last;
+  for (const auto& w : family) {
+    if (last.count(w.family)) EXPECT_GT(w.severity, last[w.family]) << w.name;
+    last[w.family] = w.severity;
+    const auto& r = w.ranges;
+    EXPECT_NO_THROW(r.validate());
+    const bool rotates = r.max_rotation_deg > 0, shears = r.max_shear > 0, scales = r.min_scale != 1 || r.max_scale != 1;
+    if (w.family == "rotation") EXPECT_TRUE(rotates && !shears && !scales) << w.name;
+    if (w.family == "shear") EXPECT_TRUE(!rotates && shears && !scales) << w.name;
+    if (w.family == "scale") EXPECT_TRUE(!rotates && !shears && scales) << w.name;
+    if (w.family == "none") EXPECT_TRUE(!rotates && !shears && !scales) << w.name;
+  }
+  EXPECT_EQ(last.size(), 5u);
+
+  // Example i of every set is source digit i, so the sets compare digit by digit.
+  const auto source = digit_like_set(24, 51);
+  std::vector<data::ImageSet> sets;
+  for (const auto& w : family) sets.push_back(data::affine_test_set(source, 7, 40, w.ranges));
+  const auto ink = [](const data::ImageSet& s) { return s.images.to(torch::kDouble).sum().item<double>(); };
+  EXPECT_NEAR(ink(sets[4]) / ink(sets[0]), 1.0, 0.03);  // rotation ±45°
+  EXPECT_NEAR(ink(sets[7]) / ink(sets[0]), 1.0, 0.03);  // shear ±0.4
+  const auto base = principal_spreads(sets[0]);
+  // Mean relative change of each digit's (major, minor) spreads against the unwarped placement.
+  const auto change = [&](size_t k) {
+    const auto s = principal_spreads(sets[k]);
+    double sum = 0;
+    for (size_t i = 0; i < s.size(); ++i)
+      sum += std::abs(s[i].first / base[i].first - 1) + std::abs(s[i].second / base[i].second - 1);
+    return sum / (2.0 * s.size());
+  };
+  EXPECT_LT(change(4), 0.04);               // rotation ±45°: a rigid motion
+  EXPECT_GT(change(7), change(5));          // shear 0.4 vs 0.1
+  EXPECT_GT(change(9), change(8));          // scale 1 ± 0.4 vs 1 ± 0.2
+  EXPECT_GT(change(9), 2 * change(4));
+}
+
 // ---- the `capsnet affine` command, end to end on a fake MNIST directory ------------------------
 
 /// The four MNIST IDX files of `train` and `test` in `dir`.
@@ -410,6 +481,67 @@ nlohmann::json read_json(const std::string& path) {
   nlohmann::json j;
   in >> j;
   return j;
+}
+
+// The robustness curve: every model is scored on 12 warped copies of the same test digits (each warp
+// family at increasing severity); a set's accuracy is the model's on exactly the set its entry describes
+// (recomputed here from the checkpoint and the entry's seed and ranges).
+TEST(AffineCliTest, EveryModelIsScoredOnEachWarpOfTheRobustnessFamily) {
+  testing::TempDir dir;
+  const std::string data_dir = dir / "mnist", out = dir / "run";
+  const auto test = digit_like_set(12, 42);
+  write_mnist_dir(data_dir, digit_like_set(16, 41), test);
+  const std::string cli = CAPSNET_CLI;
+  auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
+                                " --model cnn --steps 1 --batch-size 4 --lr 1e-9 --precision fp32 --no-progress --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto report = read_json(out + "/affine.json");
+  const auto& sets = report["robustness_sets"];
+  ASSERT_EQ(sets.size(), 12u);
+  std::map<std::string, double> last_severity;
+  std::set<uint64_t> seeds;
+  for (const auto& s : sets) {
+    const std::string family = s["family"];
+    const double severity = s["severity"];
+    if (last_severity.count(family)) EXPECT_GT(severity, last_severity[family]) << s;  // increasing per family
+    last_severity[family] = severity;
+    seeds.insert(s["seed"].get<uint64_t>());
+  }
+  EXPECT_EQ(seeds.size(), 12u);  // every set draws its own warps
+  EXPECT_EQ(last_severity.size(), 5u);
+  const auto& row = report["results"][0];
+  ASSERT_EQ(row["robustness"].size(), 12u);
+
+  models::BaselineCnnConfig c;
+  c.image_size = 40;
+  models::BaselineCnn model(c);
+  train::load_checkpoint(out + "/cnn/checkpoint.pt", *model, nullptr, [](const nlohmann::json&) { return true; });
+  model->eval();
+  torch::NoGradGuard no_grad;
+  for (const size_t k : {size_t{0}, size_t{4}, size_t{7}, size_t{11}}) {  // none, rotation 45, shear 0.4, combined
+    data::AffineRanges ranges;
+    ranges.max_rotation_deg = sets[k]["rotation_deg"];
+    ranges.max_shear = sets[k]["shear"];
+    ranges.min_scale = sets[k]["scale"][0];
+    ranges.max_scale = sets[k]["scale"][1];
+    const auto warped = data::affine_test_set(test, sets[k]["seed"].get<uint64_t>(), 40, ranges);
+    const double acc =
+        model(data::to_float(warped.images)).argmax(1).eq(warped.labels).to(torch::kDouble).mean().item<double>();
+    EXPECT_DOUBLE_EQ(row["robustness"][sets[k]["name"].get<std::string>()].get<double>(), acc) << sets[k];
+  }
+  // The table: a header, a rule and one row per set.
+  std::ifstream md(out + "/robustness.md");
+  std::string text((std::istreambuf_iterator<char>(md)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("| rotation ±45° |"), std::string::npos) << text;
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 2 + 2 + 12) << text;
+
+  // --no-robustness skips it.
+  const std::string plain = dir / "plain";
+  r = testing::run_command(cli + " affine --data " + data_dir + " --out " + plain +
+                           " --model cnn --steps 1 --batch-size 4 --no-robustness --no-progress --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_FALSE(read_json(plain + "/affine.json")["results"][0].contains("robustness"));
+  EXPECT_FALSE(std::filesystem::exists(plain + "/robustness.md"));
 }
 
 // The paper's protocol: whole epochs, each model evaluated on the translated test set after every
