@@ -18,7 +18,7 @@ namespace capsnet::apps::cli {
 Subcommand add_eval(CLI::App& root) {
   struct Flags {
     DataFlags data;
-    std::string checkpoint, split = "test";
+    std::string checkpoint, split = "test", images, labels;
     int64_t limit = 0, batch_size = 250;
     bool json = false, no_progress = false;
     int threads = 0;
@@ -29,6 +29,12 @@ Subcommand add_eval(CLI::App& root) {
   app->add_option("--checkpoint", f->checkpoint, "Checkpoint to evaluate (default: the shipped MNIST model, " + std::string(kShippedModel) + ")");
   add_data_flags(*app, f->data);
   add_image_folder_flags(*app, f->data, /*training=*/false);
+  auto* images = app->add_option("--images", f->images,
+                                 "Score this IDX image file instead of --data (N x S x S uint8, S the model's input "
+                                 "side, e.g. a generated 40x40 test set); needs --labels");
+  auto* labels = app->add_option("--labels", f->labels, "IDX label file of --images (N labels in 0..9)");
+  images->needs(labels);
+  labels->needs(images);
   app->add_option("--split", f->split, "test or train")
       ->check(CLI::IsMember({"test", "train"}))
       ->capture_default_str();
@@ -61,7 +67,21 @@ Subcommand add_eval(CLI::App& root) {
             }
             const auto spec = train::read_input_spec(f->checkpoint);
             data::ImageSet set;
-            if (f->data.is_folder()) {
+            if (!f->images.empty()) {
+              if (image_channels != 1)
+                throw std::invalid_argument(fmt::format("{}: IDX images have 1 channel, but the model takes {}",
+                                                        f->images, image_channels));
+              // Any labelled set whose side matches the model, e.g. a generated 40x40 test set.
+              set = data::take(data::load_idx_set(f->images, f->labels), f->limit);
+              if (set.images.size(1) != image_size)
+                throw std::invalid_argument(fmt::format("{}: images are {}x{}, but the model {} takes {}x{}", f->images,
+                                                        set.images.size(1), set.images.size(2), f->checkpoint,
+                                                        image_size, image_size));
+              const auto classes = static_cast<int64_t>(spec.class_names.size());
+              if (set.size() > 0 && set.labels.max().item<int64_t>() >= classes)
+                throw std::invalid_argument(fmt::format("{}: label {} is not a class of the model ({} classes)",
+                                                        f->labels, set.labels.max().item<int64_t>(), classes));
+            } else if (f->data.is_folder()) {
               if (matrix)
                 throw std::invalid_argument(fmt::format(
                     "{}: matrix-capsule models are evaluated on IDX data (--dataset mnist or fashion-mnist)",
@@ -87,6 +107,7 @@ Subcommand add_eval(CLI::App& root) {
               auto split = f->split == "train" ? data::Split::kTrain : data::Split::kTest;
               set = data::take(data::load_mnist(f->data.resolved(), split), f->limit);
             }
+            const std::string split_name = f->images.empty() ? f->split : f->images;
             std::ostream* progress = f->no_progress || f->json ? nullptr : &std::cerr;
             train::EvalResult r;
             if (matrix) {
@@ -101,7 +122,7 @@ Subcommand add_eval(CLI::App& root) {
             }
             const char* model_kind = matrix ? train::kMatrixCapsNetModel : train::kCapsNetModel;
             if (f->json) {
-              nlohmann::json j = {{"checkpoint", f->checkpoint}, {"model", model_kind}, {"split", f->split},
+              nlohmann::json j = {{"checkpoint", f->checkpoint}, {"model", model_kind}, {"split", split_name},
                                   {"examples", r.examples},
                                   {"accuracy", r.accuracy},       {"error", 1 - r.accuracy}, {"loss", r.loss},
                                   {"classes", spec.class_names}};
@@ -112,7 +133,7 @@ Subcommand add_eval(CLI::App& root) {
               }
               std::cout << train::dump_json(j) << '\n';
             } else {
-              std::cout << fmt::format("{} accuracy: {:.2f}% (error {:.2f}%, {} of {} wrong), {}loss {:.4f}\n", f->split,
+              std::cout << fmt::format("{} accuracy: {:.2f}% (error {:.2f}%, {} of {} wrong), {}loss {:.4f}\n", split_name,
                                        100 * r.accuracy, 100 * (1 - r.accuracy),
                                        r.examples - r.confusion.diag().sum().item<int64_t>(), r.examples,
                                        matrix ? "spread " : "", r.loss);

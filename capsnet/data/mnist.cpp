@@ -69,21 +69,30 @@ ImageSet load_mnist(const std::string& dir, Split split) {
     if (!there) throw IdxError(fmt::format("{}: MNIST file missing; {}", p, fetch_hint(dir)));
   }
 
+  return load_idx_set(images_path, labels_path, kSide, "MNIST ");
+}
+
+ImageSet load_idx_set(const std::string& images_path, const std::string& labels_path, int64_t side,
+                      const std::string& what) {
   ImageSet set{read_idx(images_path), read_idx(labels_path)};
-  if (set.images.dim() != 3 || set.images.size(1) != kSide || set.images.size(2) != kSide)
-    throw IdxError(fmt::format("{}: expected MNIST images of shape [N, 28, 28], got {}", images_path,
+  const bool square = set.images.dim() == 3 && set.images.size(1) == set.images.size(2);
+  if (!square || (side > 0 && set.images.size(1) != side))
+    throw IdxError(fmt::format("{}: expected {}images of shape [N, {}, {}], got {}", images_path, what,
+                               side > 0 ? std::to_string(side) : "S", side > 0 ? std::to_string(side) : "S",
                                shape_str(set.images)));
+  if (set.images.scalar_type() != torch::kUInt8)
+    throw IdxError(fmt::format("{}: expected uint8 pixels, got {}", images_path, c10::toString(set.images.scalar_type())));
   if (set.labels.dim() != 1)
-    throw IdxError(fmt::format("{}: expected MNIST labels of shape [N], got {}", labels_path,
+    throw IdxError(fmt::format("{}: expected {}labels of shape [N], got {}", labels_path, what,
                                shape_str(set.labels)));
   if (set.labels.size(0) != set.images.size(0))
     throw IdxError(fmt::format("{}: {} labels but {} has {} images", labels_path, set.labels.size(0),
                                images_path, set.images.size(0)));
-  const auto bad = (set.labels >= kClasses).nonzero();
+  const auto bad = (set.labels.to(torch::kLong) >= kClasses).logical_or(set.labels.to(torch::kLong) < 0).nonzero();
   if (bad.size(0) > 0) {
     const int64_t i = bad[0][0].item<int64_t>();
     throw IdxError(fmt::format("{}: label {} at index {} is out of range [0, 9]", labels_path,
-                               set.labels[i].item<int>(), i));
+                               set.labels[i].item<int64_t>(), i));
   }
   set.labels = set.labels.to(torch::kLong);
   return set;

@@ -34,6 +34,12 @@ std::string mnist_labels_path(const std::string& dir, Split split);
 /// the data (scripts/fetch_mnist.sh) when the directory or files are missing.
 ImageSet load_mnist(const std::string& dir, Split split);
 
+/// Any labelled IDX pair: images [N, side, side] uint8 (side 0: any square side) and labels [N] in
+/// [0, 9], the same N (e.g. a generated 40x40 test set). IdxError naming the file and what it holds
+/// otherwise; `what` prefixes the kind in the messages ("MNIST ").
+ImageSet load_idx_set(const std::string& images_path, const std::string& labels_path, int64_t side = 0,
+                      const std::string& what = "");
+
 /// Names accepted by default_data_dir: "mnist", "fashion-mnist".
 const std::vector<std::string>& dataset_names();
 

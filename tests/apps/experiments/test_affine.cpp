@@ -544,6 +544,49 @@ TEST(AffineCliTest, EveryModelIsScoredOnEachWarpOfTheRobustnessFamily) {
   EXPECT_FALSE(std::filesystem::exists(plain + "/robustness.md"));
 }
 
+// A trained 40x40 model is scored by `capsnet eval --images X --labels Y` on any labelled IDX set of its
+// side (here generated), with the same accuracy the model gives those images; a set of another side, a
+// label file of another length, or one of the two flags alone is refused in one line.
+TEST(AffineCliTest, EvalScoresAFortyPixelModelOnAnyIdxSetOfItsSide) {
+  testing::TempDir dir;
+  const std::string data_dir = dir / "mnist", out = dir / "run";
+  write_mnist_dir(data_dir, digit_like_set(8, 61), digit_like_set(4, 62));
+  const std::string cli = CAPSNET_CLI;
+  auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
+                                " --model capsnet --steps 1 --batch-size 2 --no-robustness --no-progress --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string ckpt = out + "/capsnet/checkpoint.pt";
+  const auto set = data::affine_test_set(digit_like_set(12, 63), 5, 40);  // 12 images of 40x40
+  const std::string images = dir / "x40-images", labels = dir / "x40-labels", labels5 = dir / "five-labels";
+  data::write_idx(images, set.images);
+  data::write_idx(labels, set.labels.to(torch::kUInt8));
+  data::write_idx(labels5, set.labels.narrow(0, 0, 5).to(torch::kUInt8));
+
+  r = testing::run_command(cli + " eval --checkpoint " + ckpt + " --images " + images + " --labels " + labels +
+                           " --precision fp32 --json --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output.substr(r.output.find('{')));
+  EXPECT_EQ(j["examples"], 12);
+  EXPECT_EQ(j["split"], images);
+  auto model = train::load_model(ckpt);
+  model->eval();
+  torch::NoGradGuard no_grad;
+  const double acc =
+      model(data::to_float(set.images)).lengths.argmax(1).eq(set.labels).to(torch::kDouble).mean().item<double>();
+  EXPECT_DOUBLE_EQ(j["accuracy"].get<double>(), acc);
+
+  const std::string base = cli + " eval --checkpoint " + ckpt;
+  for (const auto& [args, needle] : std::vector<std::pair<std::string, std::string>>{
+           {" --images " + data_dir + "/t10k-images-idx3-ubyte --labels " + data_dir + "/t10k-labels-idx1-ubyte",
+            "images are 28x28, but the model"},
+           {" --images " + images + " --labels " + labels5, "5 labels but"},
+           {" --images " + images, "--labels"}}) {
+    r = testing::run_command(base + args);
+    EXPECT_NE(r.status, 0) << args;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << args << ": " << r.output;
+  }
+}
+
 // The paper's protocol: whole epochs, each model evaluated on the translated test set after every
 // epoch and stopped at its target; --resume continues each model from its own checkpoint.
 TEST(AffineCliTest, EpochModeEvaluatesEveryEpochStopsAtTheTargetAndResumes) {
