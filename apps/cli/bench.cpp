@@ -45,6 +45,7 @@ struct Flags {
   std::string worker;  // internal: run one configuration in this process and print one JSON line
   bool onednn_counts = false;
   int threads = 0;
+  int64_t image_size = 28;  // internal: the worker's image side
 };
 
 const std::map<std::string, std::string> kDescriptions = {
@@ -61,6 +62,42 @@ const std::vector<std::string> kConfigs = {"fused",      "fused-bf16",      "ref
                                            "peer-tuned", "peer-tuned-bf16", "peer-spectral", "peer-spectral-bf16"};
 
 bool is_peer(const std::string& config) { return config.rfind("peer", 0) == 0; }
+
+// A configuration may name another image side as "fused-bf16@40" (capsnet's configurations only; the peers
+// are written for 28x28): the same network on 40x40 inputs, e.g. the affine experiment's 4,608 primary
+// capsules or the STN experiment's 42x42 model.
+constexpr int64_t kDefaultSide = 28;
+
+std::string base_config(const std::string& config) { return config.substr(0, config.find('@')); }
+
+int64_t config_side(const std::string& config) {
+  const auto at = config.find('@');
+  return at == std::string::npos ? kDefaultSide : std::stoll(config.substr(at + 1));
+}
+
+std::string describe_config(const std::string& config) {
+  const int64_t side = config_side(config);
+  return kDescriptions.at(base_config(config)) + (side == kDefaultSide ? "" : fmt::format(", {0}x{0}", side));
+}
+
+bool is_bf16_config(const std::string& config) {
+  const auto base = base_config(config);
+  return base.size() > 5 && base.compare(base.size() - 5, 5, "-bf16") == 0;
+}
+
+// "" when `config` is a configuration bench can run, else why not.
+std::string check_config(const std::string& config) {
+  const auto base = base_config(config);
+  if (std::find(kConfigs.begin(), kConfigs.end(), base) == kConfigs.end())
+    return fmt::format("{} is not one of {}", base, fmt::join(kConfigs, ", "));
+  if (base.size() == config.size()) return "";
+  const std::string side = config.substr(base.size() + 1);
+  if (is_peer(base)) return fmt::format("{}: the peers run 28x28 only", config);
+  if (side.empty() || side.size() > 3 || side.find_first_not_of("0123456789") != std::string::npos ||
+      std::stoll(side) < 20 || std::stoll(side) > 256)
+    return fmt::format("{}: the side after @ must be a whole number of pixels in 20..256", config);
+  return "";
+}
 
 std::string shell_quote(const std::string& s) {
   std::string q = "'";
@@ -113,8 +150,8 @@ std::string worker_command(const Flags& f, const std::string& config) {
     return shell_quote(f.python) + " " + shell_quote(script) + sizes + threads +
            fmt::format(" --routing-iters {} --precision {}", f.routing_iters, bf16 ? "bf16" : "fp32");
   }
-  return shell_quote(self_exe()) + " bench --worker " + config + sizes + threads +
-         fmt::format(" --routing-iters {}", f.routing_iters);
+  return shell_quote(self_exe()) + " bench --worker " + base_config(config) + sizes + threads +
+         fmt::format(" --routing-iters {} --image-size {}", f.routing_iters, config_side(config));
 }
 
 // oneDNN primitive executions counted from ONEDNN_VERBOSE=1 lines ("onednn_verbose,exec,cpu,KIND,
@@ -195,6 +232,7 @@ int run_one(const Flags& f) {
   o.fused_routing = f.worker == "fused" || f.worker == "fused-bf16";
   if (f.worker == "fused-bf16") o.precision = parse_precision("bf16");
   o.model.routing_iterations = f.routing_iters;
+  o.model.image_size = f.image_size;
   o.batch_size = f.batch_size;
   o.steps = f.steps;
   o.infer_batches = f.infer_batches;
@@ -206,6 +244,7 @@ int run_one(const Flags& f) {
   j["threads"] = at::get_num_threads();
   j["routing_iters"] = f.routing_iters;
   j["steps"] = f.steps;
+  j["image_size"] = f.image_size;
   std::cout << train::dump_json(j) << std::endl;
   return 0;
 }
@@ -229,9 +268,13 @@ int run_all(const Flags& f) {
   const double peak_bf16 = bf16 ? apps::gemm_gflops(torch::kBFloat16) : 0;
   std::cerr << fmt::format("bench: GEMM probe (2048^3, best of 5): fp32 {:.0f} GFLOP/s{}\n", peak_fp32,
                            bf16 ? fmt::format(", bf16 {:.0f} GFLOP/s", peak_bf16) : std::string());
-  models::CapsNetConfig model;
-  model.routing_iterations = f.routing_iters;
-  const double flops = apps::forward_flops_per_image(model);  // the peer builds the same network
+  // Forward FLOPs of one image at a configuration's side (the peers build the same network at 28x28).
+  auto flops_of = [&](const std::string& config) {
+    models::CapsNetConfig model;
+    model.routing_iterations = f.routing_iters;
+    model.image_size = config_side(config);
+    return apps::forward_flops_per_image(model);
+  };
 
   std::map<std::string, std::map<std::string, std::vector<double>>> samples;  // config -> metric -> values
   std::cerr << fmt::format("bench: batch {}, {} timed steps, {} threads, {} repeat(s) of [{}]\n", f.batch_size,
@@ -255,7 +298,7 @@ int run_all(const Flags& f) {
                             {"batch_size", f.batch_size},
                             {"threads", at::get_num_threads()},
                             {"gemm_gflops", {{"fp32", peak_fp32}, {"bf16", peak_bf16}}},
-                            {"forward_gflop_per_image", flops / 1e9}};
+                            {"forward_gflop_per_image", flops_of("fused") / 1e9}};
   std::cout << fmt::format("\nmedians of {} run(s), batch {}, {} threads:\n", f.repeats, f.batch_size,
                            at::get_num_threads());
   std::cout << fmt::format("{:<50} {:>11} {:>11} {:>11} {:>11} {:>13} {:>13}\n", "configuration", "train img/s",
@@ -264,27 +307,28 @@ int run_all(const Flags& f) {
     auto& s = samples[config];
     for (const char* m : kMetrics) summary["median"][config][m] = median(s[m]);
     std::cout << fmt::format("{:<50} {:>11.1f} {:>11.1f} {:>11.2f} {:>11.2f} {:>13.0f} {:>13.0f}\n",
-                             kDescriptions.at(config), median(s["train_img_s"]), median(s["infer_img_s"]),
+                             describe_config(config), median(s["train_img_s"]), median(s["infer_img_s"]),
                              median(s["latency_b1_ms"]), median(s["latency_b1_p90_ms"]), median(s["train_peak_rss_mb"]),
                              median(s["train_rss_growth_mb"]));
   }
   // Achieved arithmetic rate: training = 3 forward passes' FLOPs per image (forward_flops_per_image).
   // Nominal FLOPs: the direct convolutions'. capsnet's PrimaryCaps runs through DFTs with 5.1x fewer
   // multiply-adds in both precisions (kernels/spectral_conv.h), so its shares of the probe can exceed 100%.
-  std::cout << fmt::format("\nachieved GFLOP/s ({:.3f} GFLOP per image forward, x3 for a training step; nominal: the "
+  std::cout << fmt::format("\nachieved GFLOP/s ({:.3f} GFLOP per 28x28 image forward, x3 for a training step; nominal: the "
                            "direct convolutions' count, which capsnet's PrimaryCaps (fp32 and bf16) undercuts 5x "
                            "in training and at batch >= 32 in inference) and share of the GEMM probe of the "
                            "configuration's compute type:\n",
-                           flops / 1e9);
+                           flops_of("fused") / 1e9);
   std::cout << fmt::format("{:<50} {:>11} {:>8} {:>11} {:>8}\n", "configuration", "train", "% peak", "infer",
                            "% peak");
   for (const auto& config : f.configs) {
-    const bool bf16_config = config.size() > 5 && config.compare(config.size() - 5, 5, "-bf16") == 0;
-    const double peak = bf16_config ? peak_bf16 : peak_fp32;
-    const double train = 3 * flops * median(samples[config]["train_img_s"]) / 1e9;
-    const double infer = flops * median(samples[config]["infer_img_s"]) / 1e9;
-    summary["gflops"][config] = {{"train", train}, {"infer", infer}, {"peak", peak}};
-    std::cout << fmt::format("{:<50} {:>11.1f} {:>7.1f}% {:>11.1f} {:>7.1f}%\n", kDescriptions.at(config), train,
+    const double peak = is_bf16_config(config) ? peak_bf16 : peak_fp32;
+    const double config_flops = flops_of(config);
+    const double train = 3 * config_flops * median(samples[config]["train_img_s"]) / 1e9;
+    const double infer = config_flops * median(samples[config]["infer_img_s"]) / 1e9;
+    summary["gflops"][config] = {
+        {"train", train}, {"infer", infer}, {"peak", peak}, {"forward_gflop_per_image", config_flops / 1e9}};
+    std::cout << fmt::format("{:<50} {:>11.1f} {:>7.1f}% {:>11.1f} {:>7.1f}%\n", describe_config(config), train,
                              100 * train / peak, infer, 100 * infer / peak);
   }
   auto ratios = [&](const std::string& a, const std::string& b) {
@@ -327,9 +371,10 @@ Subcommand add_bench(CLI::App& root) {
                "plain-PyTorch peer, side by side (synthetic data; each run in its own process)");
   app->add_option("--configs", f->configs,
                   "Which to run, comma-separated: fused, fused-bf16, reference, peer, peer-tuned, peer-tuned-bf16, "
-                  "peer-spectral, peer-spectral-bf16")
+                  "peer-spectral, peer-spectral-bf16; capsnet's configurations at another image side as NAME@SIDE, "
+                  "e.g. fused-bf16@40 (the affine experiment's 40x40 model), fused-bf16@42 (the STN experiment's)")
       ->delimiter(',')
-      ->check(CLI::IsMember(kConfigs))
+      ->check(CLI::Validator(check_config, "CONFIG[@SIDE]"))
       ->capture_default_str();
   app->add_option("--repeats", f->repeats, "Interleaved repeats; medians are reported")
       ->check(CLI::PositiveNumber)
@@ -358,6 +403,9 @@ Subcommand add_bench(CLI::App& root) {
                 "of each capsnet configuration, from ONEDNN_VERBOSE=1");
   app->add_option("--worker", f->worker, "(internal) run one configuration and print one JSON line")
       ->check(CLI::IsMember({"fused", "fused-bf16", "reference"}))
+      ->group("");
+  app->add_option("--image-size", f->image_size, "(internal) the worker's image side")
+      ->check(CLI::Range(int64_t{20}, int64_t{256}))
       ->group("");
   add_threads_flag(*app, f->threads);
   return {app, [f]() {

@@ -14,8 +14,6 @@
 namespace capsnet::apps::cli {
 
 void ComparisonFlags::validate(int64_t train_images) const {
-  if (steps <= 0) throw std::invalid_argument(fmt::format("--steps must be positive, got {}", steps));
-  if (batch_size <= 0) throw std::invalid_argument(fmt::format("--batch-size must be positive, got {}", batch_size));
   if (target_accuracy > 0 && epochs == 0)
     throw std::invalid_argument("--target-accuracy needs --epochs (the most epochs to spend reaching it)");
   if (validation_size < 0 || validation_size >= train_images)
@@ -78,16 +76,23 @@ void add_comparison_flags(CLI::App& app, ComparisonFlags& f, const std::string& 
 }
 
 train::LoopOptions comparison_loop_options(const ComparisonFlags& f, const std::string& run_dir, Precision precision) {
-  auto o = experiments::comparison_options(run_dir, f.steps, f.batch_size, f.lr, f.seed, f.log_every, !f.no_progress);
+  // One model of a comparison: --steps steps at a constant learning rate, or --epochs epochs decayed by
+  // --lr-decay; the loop evaluates only at epoch ends or with a validation split (the comparison scores
+  // every model on the same test sets afterwards).
+  train::LoopOptions o;
+  o.out_dir = run_dir;
+  o.batch_size = f.batch_size;
+  o.lr = f.lr;
+  o.seed = f.seed;
+  o.log_every = f.log_every;
+  o.progress = !f.no_progress;
   o.precision = precision;
   o.checkpoint_every = f.checkpoint_every;
   o.evaluate_each_epoch = f.epochs > 0 || f.validation_size > 0;
-  if (f.epochs > 0) {
-    o.epochs = f.epochs;
-    o.max_steps = 0;
-    o.lr_decay = f.lr_decay;
-    o.target_accuracy = f.target_accuracy;
-  }
+  o.epochs = f.epochs;
+  o.max_steps = f.epochs > 0 ? 0 : f.steps;
+  o.lr_decay = f.epochs > 0 ? f.lr_decay : 1;
+  o.target_accuracy = f.epochs > 0 ? f.target_accuracy : 0;
   return o;
 }
 

@@ -115,23 +115,6 @@ ClassifierEvaluator accuracy_evaluator(const data::ImageSet& set, const std::str
   };
 }
 
-train::LoopOptions comparison_options(const std::string& out_dir, int64_t steps, int64_t batch_size, double lr, uint64_t seed,
-                               int64_t log_every, bool progress) {
-  train::LoopOptions o;
-  o.out_dir = out_dir;
-  o.epochs = 0;
-  o.max_steps = steps;
-  o.batch_size = batch_size;
-  o.lr = lr;
-  o.lr_decay = 1;
-  o.seed = seed;
-  o.checkpoint_every = 0;
-  o.log_every = log_every;
-  o.evaluate_each_epoch = false;
-  o.progress = progress;
-  return o;
-}
-
 double tail_mean(const std::vector<double>& values) {
   if (values.empty()) return 0;
   const size_t tail = std::max<size_t>(1, values.size() / 10);

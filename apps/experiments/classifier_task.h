@@ -101,11 +101,6 @@ class ClassifierTask : public train::Task {
 double classifier_accuracy(Classifier& c, const data::ImageSet& set, int64_t batch_size, std::ostream* progress,
                            const std::string& label);
 
-/// Loop options of one model of a comparison: `steps` steps at a constant learning rate, a checkpoint
-/// and metrics in `out_dir`, no evaluation by the loop (the comparison scores every model on the same sets).
-train::LoopOptions comparison_options(const std::string& out_dir, int64_t steps, int64_t batch_size, double lr, uint64_t seed,
-                               int64_t log_every, bool progress);
-
 /// Mean of the last max(1, n / 10) values (the end-of-training figure of the comparisons).
 double tail_mean(const std::vector<double>& values);
 

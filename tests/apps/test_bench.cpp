@@ -2,7 +2,11 @@
 // including the plain-PyTorch peer (Debian's /usr/bin/python3 + python3-torch, installed by setup.sh).
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
+
 #include <cmath>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <nlohmann/json.hpp>
@@ -62,10 +66,15 @@ TEST(BenchmarkTest, PeakRssResetsAndTracksAnAllocation) {
   apps::reset_peak_rss();
   const double before = apps::peak_rss_mb();
   {
-    // 64 MB, touched so it is resident.
-    std::vector<char> block(64 << 20, 1);
+    // 64 MB of fresh pages from the kernel (not the allocator, which may hand back pages that are already
+    // resident after earlier tests in this process), touched so they are resident.
+    constexpr size_t kBytes = size_t{64} << 20;
+    void* block = mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ASSERT_NE(block, MAP_FAILED);
+    std::memset(block, 1, kBytes);
     EXPECT_GE(apps::rss_mb(), before + 50);
     EXPECT_GE(apps::peak_rss_mb(), before + 50);
+    munmap(block, kBytes);
   }
   apps::reset_peak_rss();
   // After the reset the peak is the current RSS again (allocator caches may keep some of the block).
@@ -162,6 +171,43 @@ TEST(BenchCliTest, OnednnCountsModeCountsTheConvolutionsOfATrainingStep) {
   EXPECT_EQ(conv, 2) << r.output;
   EXPECT_GE(fused.at("reorder_per_step").get<double>(), 0);
   EXPECT_EQ(j.at("batch_size").get<int64_t>(), 2);
+}
+
+TEST(BenchCliTest, AConfigurationRunsAtAnotherImageSideWhenNamedWithIt) {
+  // fused@40: the same network on 40x40 inputs (the affine experiment's 4,608 primary capsules), measured
+  // and costed at its own side beside the 28x28 one.
+  const std::string jsonl = (std::filesystem::temp_directory_path() / "capsnet_bench_sides.jsonl").string();
+  std::filesystem::remove(jsonl);
+  auto r = run_command(kCli + " bench --configs fused,fused@40 --repeats 1 --batch-size 2 --steps 1 "
+                              "--infer-batches 1 --latency-runs 1 --threads 1 --jsonl " + jsonl);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("capsnet, fused routing op, 40x40"), std::string::npos) << r.output;
+  std::ifstream in(jsonl);
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_EQ(lines[0].at("config"), "fused");
+  EXPECT_EQ(lines[0].at("image_size").get<int64_t>(), 28);
+  EXPECT_EQ(lines[1].at("config"), "fused@40");
+  EXPECT_EQ(lines[1].at("image_size").get<int64_t>(), 40);
+  models::CapsNetConfig forty;
+  forty.image_size = 40;
+  const auto& gflops = lines[2].at("gflops");
+  EXPECT_DOUBLE_EQ(gflops.at("fused@40").at("forward_gflop_per_image").get<double>(),
+                   apps::forward_flops_per_image(forty) / 1e9);
+  EXPECT_DOUBLE_EQ(gflops.at("fused").at("forward_gflop_per_image").get<double>(),
+                   apps::forward_flops_per_image(models::CapsNetConfig{}) / 1e9);
+  // PrimaryCaps dominates and has 12x12 instead of 6x6 outputs: about 4x the work.
+  EXPECT_GT(gflops.at("fused@40").at("forward_gflop_per_image").get<double>(),
+            3.5 * gflops.at("fused").at("forward_gflop_per_image").get<double>());
+  std::filesystem::remove(jsonl);
+  for (const std::string bad : {"fused@7", "fused@forty", "peer@40", "fused@", "tensorflow@40"}) {
+    r = run_command(kCli + " bench --configs " + bad);
+    EXPECT_NE(r.status, 0) << bad;
+    EXPECT_NE(r.output.find(bad.substr(0, bad.find('@'))), std::string::npos) << r.output;
+  }
+  r = run_command(kCli + " bench --configs peer@40");
+  EXPECT_NE(r.output.find("the peers run 28x28 only"), std::string::npos) << r.output;
 }
 
 TEST(BenchCliTest, UnknownConfigurationAndMissingPythonAreClearErrors) {
