@@ -6,6 +6,7 @@
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
+#include "capsnet/kernels/spectral_conv.h"
 #include "capsnet/nn/capsule_linear.h"
 #include "capsnet/nn/primary_caps.h"
 #include "apps/runtime.h"
@@ -52,9 +53,36 @@ void PrimaryCapsConv(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * B);
 }
 
+// The baseline CNN's 5x5 "same" convolution 256 -> 256 channels, bf16 input, fp32 weights, forward and
+// backward (input and weight gradients), batch 32: oneDNN's direct convolution (path 0) against the DFT
+// form on the zero-padded input (path 1). args: {side (40: the unpooled CNN at 40x40; 20: the pooled
+// CNN's conv2), path}.
+void CnnConv5x5Same(benchmark::State& state) {
+  const int64_t B = 32, side = state.range(0);
+  const bool spectral = state.range(1);
+  torch::manual_seed(0);
+  auto w = (torch::randn({256, 256, 5, 5}) * 0.02).requires_grad_();  // w: [O, C, 5, 5]
+  auto b = torch::zeros({256}).requires_grad_();
+  auto x = torch::randn({B, 256, side, side}).to(torch::kBFloat16).requires_grad_();  // x: [B, C, S, S]
+  for (auto _ : state) {
+    torch::Tensor y;  // y: [B, O, S, S]
+    if (spectral)
+      y = capsnet::kernels::conv2d_spectral(torch::constant_pad_nd(x, {2, 2, 2, 2}), w, b, {1, 1});
+    else
+      y = torch::conv2d(x, w.to(torch::kBFloat16), b.to(torch::kBFloat16), 1, 2);
+    y.sum().backward();
+  }
+  state.SetItemsProcessed(state.iterations() * B);
+}
+
 BENCHMARK(DigitCaps)
     ->ArgNames({"batch", "fused", "backward"})
     ->ArgsProduct({{1, 100}, {1, 0}, {0, 1}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(CnnConv5x5Same)
+    ->ArgNames({"side", "spectral"})
+    ->ArgsProduct({{20, 40}, {0, 1}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(PrimaryCapsConv)
