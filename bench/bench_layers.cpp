@@ -16,13 +16,13 @@ namespace {
 using capsnet::nn::CapsuleLinear;
 using capsnet::nn::CapsuleLinearOptions;
 
-// args: {batch, fused (0/1), backward (0/1)}
+// args: {batch, fused (0/1), backward (0/1), input capsules (1152: 28x28 images; 4608: 40x40)}
 void DigitCaps(benchmark::State& state) {
-  const int64_t B = state.range(0);
+  const int64_t B = state.range(0), I = state.range(3);
   const bool fused = state.range(1), backward = state.range(2);
   torch::manual_seed(0);
-  CapsuleLinear layer(CapsuleLinearOptions(1152, 8, 10, 16).routing({3, true, fused}));
-  auto u = torch::randn({B, 1152, 8}).mul_(0.1).requires_grad_(backward);  // u: [B, I, Din]
+  CapsuleLinear layer(CapsuleLinearOptions(I, 8, 10, 16).routing({3, true, fused}));
+  auto u = torch::randn({B, I, 8}).mul_(0.1).requires_grad_(backward);  // u: [B, I, Din]
   for (auto _ : state) {
     if (backward) {
       auto v = layer(u);  // v: [B, J, D]
@@ -35,13 +35,15 @@ void DigitCaps(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * B);
 }
 
-// args: {batch, backward (0/1)}; the input gradient is needed too (it trains Conv1).
+// args: {batch, backward (0/1), input side (20: 28x28 images; 32: 40x40)}; the input gradient is needed
+// too (it trains Conv1). fp32.
 void PrimaryCapsConv(benchmark::State& state) {
   const int64_t B = state.range(0);
   const bool backward = state.range(1);
   torch::manual_seed(0);
+  const int64_t side = state.range(2);
   capsnet::nn::PrimaryCaps layer(capsnet::nn::PrimaryCapsOptions(256, 32, 8));
-  auto x = torch::rand({B, 256, 20, 20}).requires_grad_(backward);  // x: [B, 256, 20, 20]
+  auto x = torch::rand({B, 256, side, side}).requires_grad_(backward);  // x: [B, 256, S, S]
   for (auto _ : state) {
     if (backward) {
       layer(x).sum().backward();
@@ -53,41 +55,51 @@ void PrimaryCapsConv(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * B);
 }
 
-// The baseline CNN's 5x5 "same" convolution 256 -> 256 channels, bf16 input, fp32 weights, forward and
-// backward (input and weight gradients), batch 32: oneDNN's direct convolution (path 0) against the DFT
-// form on the zero-padded input (path 1). args: {side (40: the unpooled CNN at 40x40; 20: the pooled
-// CNN's conv2), path}.
-void CnnConv5x5Same(benchmark::State& state) {
-  const int64_t B = 32, side = state.range(0);
-  const bool spectral = state.range(1);
+// A 256 -> 256 channel convolution, bf16 input, fp32 weights, forward and backward (input and weight
+// gradients): oneDNN's direct convolution against the DFT form (kernels/spectral_conv.h) on the
+// zero-padded input. args: {batch, side, kernel, stride, padding, spectral (0/1)}:
+//   {32, 40, 5, 1, 2}: the unpooled baseline CNN's conv2 at 40x40; {32, 20, 5, 1, 2}: the pooled one's;
+//   {100, 20, 9, 2, 0}: PrimaryCaps at 28x28; {100, 32, 9, 2, 0}: PrimaryCaps at 40x40.
+void ConvPathsBf16(benchmark::State& state) {
+  const int64_t B = state.range(0), side = state.range(1), k = state.range(2), stride = state.range(3),
+                pad = state.range(4);
+  const bool spectral = state.range(5);
   torch::manual_seed(0);
-  auto w = (torch::randn({256, 256, 5, 5}) * 0.02).requires_grad_();  // w: [O, C, 5, 5]
+  auto w = (torch::randn({256, 256, k, k}) * 0.02).requires_grad_();  // w: [O, C, K, K]
   auto b = torch::zeros({256}).requires_grad_();
   auto x = torch::randn({B, 256, side, side}).to(torch::kBFloat16).requires_grad_();  // x: [B, C, S, S]
   for (auto _ : state) {
-    torch::Tensor y;  // y: [B, O, S, S]
+    torch::Tensor y;  // y: [B, O, P, P]
     if (spectral)
-      y = capsnet::kernels::conv2d_spectral(torch::constant_pad_nd(x, {2, 2, 2, 2}), w, b, {1, 1});
+      y = capsnet::kernels::conv2d_spectral(torch::constant_pad_nd(x, {pad, pad, pad, pad}), w, b,
+                                            {stride, stride});
     else
-      y = torch::conv2d(x, w.to(torch::kBFloat16), b.to(torch::kBFloat16), 1, 2);
+      y = torch::conv2d(x, w.to(torch::kBFloat16), b.to(torch::kBFloat16), stride, pad);
     y.sum().backward();
   }
   state.SetItemsProcessed(state.iterations() * B);
 }
 
 BENCHMARK(DigitCaps)
-    ->ArgNames({"batch", "fused", "backward"})
-    ->ArgsProduct({{1, 100}, {1, 0}, {0, 1}})
+    ->ArgNames({"batch", "fused", "backward", "inputs"})
+    ->ArgsProduct({{1, 100}, {1, 0}, {0, 1}, {1152, 4608}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
-BENCHMARK(CnnConv5x5Same)
-    ->ArgNames({"side", "spectral"})
-    ->ArgsProduct({{20, 40}, {0, 1}})
+BENCHMARK(ConvPathsBf16)
+    ->ArgNames({"batch", "side", "kernel", "stride", "pad", "spectral"})
+    ->Args({32, 40, 5, 1, 2, 0})
+    ->Args({32, 40, 5, 1, 2, 1})
+    ->Args({32, 20, 5, 1, 2, 0})
+    ->Args({32, 20, 5, 1, 2, 1})
+    ->Args({100, 20, 9, 2, 0, 0})
+    ->Args({100, 20, 9, 2, 0, 1})
+    ->Args({100, 32, 9, 2, 0, 0})
+    ->Args({100, 32, 9, 2, 0, 1})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(PrimaryCapsConv)
-    ->ArgNames({"batch", "backward"})
-    ->ArgsProduct({{1, 100}, {0, 1}})
+    ->ArgNames({"batch", "backward", "side"})
+    ->ArgsProduct({{1, 100}, {0, 1}, {20, 32}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
