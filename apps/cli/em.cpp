@@ -19,22 +19,19 @@
 
 namespace capsnet::apps::cli {
 
-Subcommand add_em(CLI::App& root) {
-  struct Flags {
-    experiments::EmTrainOptions o;
-    std::string precision;  // --precision, parsed into o.loop.precision
-    DataFlags data;
-    LoopFlags loop;
-    double max_minutes = 0;
-  };
-  auto f = std::make_shared<Flags>();
-  auto* app = root.add_subcommand(
-      "em",
-      "Matrix capsules with EM routing (4x4 poses, spread loss): train and evaluate on MNIST or Fashion-MNIST "
-      "(writes em.json, metrics.jsonl, checkpoint.pt in --out)");
-  add_data_flags(*app, f->data);
-  auto& o = f->o;
-  auto& m = o.model;
+namespace {
+
+struct EmFlags {
+  experiments::EmTrainOptions o;
+  std::string precision;  // --precision, parsed into o.loop.precision
+  DataFlags data;
+  LoopFlags loop;
+  double max_minutes = 0;
+};
+
+// --out, the optimizer, the spread-loss margins and the data's size and augmentation.
+void add_em_training_flags(CLI::App* app, EmFlags& f) {
+  auto& o = f.o;
   app->add_option("--out", o.loop.out_dir, "Output directory")->capture_default_str();
   app->add_option("--steps", o.loop.max_steps, "Optimizer steps")->check(CLI::PositiveNumber)->capture_default_str();
   app->add_option("--batch-size", o.loop.batch_size, "Training batch size")
@@ -67,6 +64,11 @@ Subcommand add_em(CLI::App& root) {
   app->add_option("--log-every", o.loop.log_every, "Steps between metrics records")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+}
+
+// EM routing and the network's widths (paper: A = 64, B = C = D = 32).
+void add_em_model_flags(CLI::App* app, const std::shared_ptr<EmFlags>& f) {
+  auto& m = f->o.model;
   app->add_option("--routing-iters", m.routing_iterations, "EM routing iterations (paper: 3)")
       ->check(CLI::Range(1, 100))
       ->capture_default_str();
@@ -125,23 +127,90 @@ Subcommand add_em(CLI::App& root) {
   app->add_flag("--standardize-cost", m.standardize_cost,
                 "Standardise the costs over the parents of each routing problem before the logistic (not in the "
                 "paper; use with a lambda of order 1, e.g. --lambda-schedule linear --lambda-first 1 --lambda-last 1)");
+}
+
+// Evaluation, checkpoints, the time budget, precision and the loop's shared flags.
+void add_em_run_flags(CLI::App* app, EmFlags& f) {
+  auto& o = f.o;
   app->add_option("--eval-every", o.loop.eval_every,
                   "Also evaluate the first --test-size test images every N steps (0 = only at the end)")
       ->capture_default_str();
   app->add_option("--checkpoint-every", o.loop.checkpoint_every, "Steps between checkpoints (0 = at the end)")
       ->capture_default_str();
-  app->add_option("--max-minutes", f->max_minutes,
+  app->add_option("--max-minutes", f.max_minutes,
                   "Wall-clock training budget in minutes (0 = none); evaluated where it stopped (the margin "
                   "schedule still spans --steps)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  add_training_precision_flag(*app, f->precision);
+  add_training_precision_flag(*app, f.precision);
   app->get_option("--precision")
       ->description(
           "Compute precision of the convolutions (Conv1, PrimaryCaps): fp32, bf16 (AVX512_BF16/AMX CPUs; fp32 "
           "weights; the 4x4 votes, EM routing and the spread loss stay fp32) or auto (bf16 where the CPU has it)");
-  add_loop_flags(*app, f->loop);
+  add_loop_flags(*app, f.loop);
+}
 
+// em.json: the options, the training figures and the test result when there is one.
+nlohmann::json em_summary(const EmFlags& f, const std::string& dir, const experiments::EmTrainResult& r) {
+  const auto& o = f.o;
+  nlohmann::json summary = {{"task", "em"},
+                            {"dataset", f.data.dataset},
+                            {"data_dir", dir},
+                            {"model", o.model.to_json()},
+                            {"train", o.to_json()},
+                            {"steps", r.steps},
+                            {"images_seen", r.images_seen},
+                            {"train_seconds", r.seconds},
+                            {"train_images_per_second", r.images_per_second},
+                            {"final_train_loss", r.losses.empty() ? 0.0 : r.losses.back()},
+                            {"final_train_accuracy", r.final_train_accuracy},
+                            {"model_path", r.model_path},
+                            {"threads", at::get_num_threads()}};
+  if (r.test.examples > 0) {
+    summary["test_examples"] = r.test.examples;
+    summary["test_accuracy"] = r.test.accuracy;
+    summary["test_error"] = 1 - r.test.accuracy;
+    summary["test_spread_loss"] = r.test.loss;
+    summary["eval_seconds"] = r.test.seconds;
+  }
+  return summary;
+}
+
+int run_em(const std::shared_ptr<EmFlags>& f, const std::shared_ptr<train::ProcessGroup>& group) {
+  using Clock = std::chrono::steady_clock;
+  const auto t_start = Clock::now();
+  auto& o = f->o;
+  const std::string dir = f->data.resolved();
+  auto train_set = data::load_mnist(dir, data::Split::kTrain);
+  auto test_set = data::load_mnist(dir, data::Split::kTest);
+  std::cout << fmt::format("{}: {} training, {} test images from {}\n", f->data.dataset, train_set.size(),
+                           test_set.size(), dir);
+  auto r = experiments::train_em(o, train_set, &test_set, std::cout, group);
+  if (group && group->rank() != 0) return 0;  // rank 0 reports
+  auto summary = em_summary(*f, dir, r);
+  if (r.test.examples > 0)
+    std::cout << fmt::format("{} test: accuracy {:.2f}% (error {:.2f}%) on {} images, spread loss {:.4f}\n",
+                             f->data.dataset, 100 * r.test.accuracy, 100 * (1 - r.test.accuracy), r.test.examples,
+                             r.test.loss);
+  summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
+  const std::string json_path = o.loop.out_dir + "/em.json";
+  write_text_file(json_path, train::dump_json(summary, 2) + "\n");
+  std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
+  return 0;
+}
+
+}  // namespace
+
+Subcommand add_em(CLI::App& root) {
+  auto f = std::make_shared<EmFlags>();
+  auto* app = root.add_subcommand(
+      "em",
+      "Matrix capsules with EM routing (4x4 poses, spread loss): train and evaluate on MNIST or Fashion-MNIST "
+      "(writes em.json, metrics.jsonl, checkpoint.pt in --out)");
+  add_data_flags(*app, f->data);
+  add_em_training_flags(app, *f);
+  add_em_model_flags(app, f);
+  add_em_run_flags(app, *f);
   return {app, [f]() {
             auto& o = f->o;
             o.loop.precision = precision_from_flag(f->precision);
@@ -149,47 +218,8 @@ Subcommand add_em(CLI::App& root) {
             o.loop.resume = f->loop.resume;
             o.loop.max_seconds = 60 * f->max_minutes;
             o.validate();  // before loading the data
-            return run_training_command(f->loop, o.loop.out_dir, o.loop.batch_size, [f](auto group) {
-              using Clock = std::chrono::steady_clock;
-              const auto t_start = Clock::now();
-              auto& o = f->o;
-              const std::string dir = f->data.resolved();
-              auto train_set = data::load_mnist(dir, data::Split::kTrain);
-              auto test_set = data::load_mnist(dir, data::Split::kTest);
-              std::cout << fmt::format("{}: {} training, {} test images from {}\n", f->data.dataset, train_set.size(),
-                                       test_set.size(), dir);
-              auto r = experiments::train_em(o, train_set, &test_set, std::cout, group);
-              if (group && group->rank() != 0) return 0;  // rank 0 reports
-
-              nlohmann::json summary = {{"task", "em"},
-                                        {"dataset", f->data.dataset},
-                                        {"data_dir", dir},
-                                        {"model", o.model.to_json()},
-                                        {"train", o.to_json()},
-                                        {"steps", r.steps},
-                                        {"images_seen", r.images_seen},
-                                        {"train_seconds", r.seconds},
-                                        {"train_images_per_second", r.images_per_second},
-                                        {"final_train_loss", r.losses.empty() ? 0.0 : r.losses.back()},
-                                        {"final_train_accuracy", r.final_train_accuracy},
-                                        {"model_path", r.model_path},
-                                        {"threads", at::get_num_threads()}};
-              if (r.test.examples > 0) {
-                summary["test_examples"] = r.test.examples;
-                summary["test_accuracy"] = r.test.accuracy;
-                summary["test_error"] = 1 - r.test.accuracy;
-                summary["test_spread_loss"] = r.test.loss;
-                summary["eval_seconds"] = r.test.seconds;
-                std::cout << fmt::format("{} test: accuracy {:.2f}% (error {:.2f}%) on {} images, spread loss {:.4f}\n",
-                                         f->data.dataset, 100 * r.test.accuracy, 100 * (1 - r.test.accuracy),
-                                         r.test.examples, r.test.loss);
-              }
-              summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
-              const std::string json_path = o.loop.out_dir + "/em.json";
-              write_text_file(json_path, train::dump_json(summary, 2) + "\n");
-              std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
-              return 0;
-            });
+            return run_training_command(f->loop, o.loop.out_dir, o.loop.batch_size,
+                                        [f](const auto& group) { return run_em(f, group); });
           }};
 }
 
