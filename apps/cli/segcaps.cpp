@@ -41,29 +41,22 @@ std::optional<double> parse_pos_weight(const std::string& text) {
   return v;
 }
 
-}  // namespace
+struct SegCapsFlags {
+  experiments::SegCapsTrainOptions o;
+  std::string precision;  // --precision, parsed into o.loop.precision
+  data::DigitSegmentationOptions d;
+  DataFlags data;
+  uint64_t test_seed = 1001;
+  int64_t figure_rows = 8;
+  double max_minutes = 0;
+  bool composite_routing = false;
+  std::string pos_weight = "auto";  // auto | a number > 0 (1 = unweighted BCE)
+  double recon_weight = 0.131;      // the paper's; 0 = no reconstruction branch
+  LoopFlags loop;
+};
 
-Subcommand add_segcaps(CLI::App& root) {
-  struct Flags {
-    experiments::SegCapsTrainOptions o;
-    std::string precision;  // --precision, parsed into o.loop.precision
-    data::DigitSegmentationOptions d;
-    DataFlags data;
-    uint64_t test_seed = 1001;
-    int64_t figure_rows = 8;
-    double max_minutes = 0;
-    bool composite_routing = false;
-    std::string pos_weight = "auto";  // auto | a number > 0 (1 = unweighted BCE)
-    double recon_weight = 0.131;      // the paper's; 0 = no reconstruction branch
-    LoopFlags loop;
-  };
-  auto f = std::make_shared<Flags>();
-  auto* app = root.add_subcommand(
-      "segcaps",
-      "Train and evaluate a SegCaps-style capsule segmentation model on cluttered MNIST digit masks; reports the "
-      "mean Dice and the thresholding baseline (writes segcaps.json, segcaps.png, metrics.jsonl, checkpoint.pt in "
-      "--out)");
-  add_data_flags(*app, f->data);
+// --out, the optimizer, seeds and the test set.
+void add_segcaps_training_flags(CLI::App* app, SegCapsFlags* f) {
   app->add_option("--out", f->o.loop.out_dir, "Output directory")->capture_default_str();
   app->add_option("--steps", f->o.loop.max_steps, "Adam steps (each on newly generated images)")
       ->check(CLI::PositiveNumber)
@@ -81,6 +74,10 @@ Subcommand add_segcaps(CLI::App& root) {
   app->add_option("--threshold", f->o.threshold, "Predicted mask = capsule length > threshold")
       ->check(CLI::Range(1e-6, 1 - 1e-6))
       ->capture_default_str();
+}
+
+// The generated cluttered images.
+void add_segcaps_image_flags(CLI::App* app, SegCapsFlags* f) {
   app->add_option("--canvas", f->d.canvas, "Image side (a multiple of 4, >= 28)")
       ->check(CLI::Range(int64_t{28}, int64_t{256}))
       ->capture_default_str();
@@ -90,6 +87,10 @@ Subcommand add_segcaps(CLI::App& root) {
   app->add_option("--noise", f->d.noise_std, "Std of the additive Gaussian pixel noise")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
+}
+
+// The network and its loss.
+void add_segcaps_model_flags(CLI::App* app, SegCapsFlags* f) {
   app->add_option("--routing-iters", f->o.model.routing_iterations, "Routing iterations r in the capsule layers")
       ->check(CLI::Range(1, 100))
       ->capture_default_str();
@@ -116,6 +117,10 @@ Subcommand add_segcaps(CLI::App& root) {
   app->add_option("--recon-weight", f->recon_weight,
                   "Weight of the masked reconstruction MSE (paper: 0.131); 0 = no reconstruction branch")
       ->capture_default_str();
+}
+
+// The time budget, logging, the figure, routing path, checkpoints, precision and the loop's shared flags.
+void add_segcaps_run_flags(CLI::App* app, SegCapsFlags* f) {
   app->add_option("--max-minutes", f->max_minutes,
                   "Wall-clock training budget in minutes (0 = none); the model is evaluated where it stopped")
       ->check(CLI::NonNegativeNumber)
@@ -137,109 +142,136 @@ Subcommand add_segcaps(CLI::App& root) {
           "decoder's 1x1 convolutions): fp32, bf16 (AVX512_BF16/AMX CPUs; fp32 weights; routing, squash and the "
           "losses stay fp32) or auto (bf16 where the CPU has it)");
   add_loop_flags(*app, f->loop);
+}
 
-  return {
-      app, [f]() {
-        auto& o = f->o;
-        o.loop.precision = precision_from_flag(f->precision);
-        o.loop.progress = !f->loop.no_progress;
-        o.loop.resume = f->loop.resume;
-        o.loop.max_seconds = 60 * f->max_minutes;
-        if (f->d.canvas % 4 != 0)
-          throw std::invalid_argument(fmt::format("--canvas must be a multiple of 4, got {}", f->d.canvas));
-        o.model.image_size = f->d.canvas;
-        o.fused_routing = !f->composite_routing;
-        const auto pos = parse_pos_weight(f->pos_weight);
-        o.model.auto_pos_weight = !pos.has_value();
-        o.model.pos_weight = pos.value_or(1.0);
-        o.model.recon_weight = f->recon_weight;
-        o.validate();  // before loading the data
-        f->d.validate(28);
-        return run_training_command(f->loop, o.loop.out_dir, o.loop.batch_size, [f](auto group) {
-          using Clock = std::chrono::steady_clock;
-          const auto t_start = Clock::now();
-          auto& o = f->o;
+// The flags into the options, checked before any data is loaded.
+void apply_segcaps_flags(SegCapsFlags* f) {
+  auto& o = f->o;
+  o.loop.precision = precision_from_flag(f->precision);
+  o.loop.progress = !f->loop.no_progress;
+  o.loop.resume = f->loop.resume;
+  o.loop.max_seconds = 60 * f->max_minutes;
+  if (f->d.canvas % 4 != 0)
+    throw std::invalid_argument(fmt::format("--canvas must be a multiple of 4, got {}", f->d.canvas));
+  o.model.image_size = f->d.canvas;
+  o.fused_routing = !f->composite_routing;
+  const auto pos = parse_pos_weight(f->pos_weight);
+  o.model.auto_pos_weight = !pos.has_value();
+  o.model.pos_weight = pos.value_or(1.0);
+  o.model.recon_weight = f->recon_weight;
+  o.validate();  // before loading the data
+  f->d.validate(28);
+}
 
-          data::DigitSegmentation train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.loop.seed, f->d);
-          data::DigitSegmentation test_set(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_seed,
-                                           f->d);
+// segcaps.json: the options, data, training figures, the test Dice and the thresholding baseline.
+nlohmann::json segcaps_summary(const SegCapsFlags* f, const experiments::SegCapsTrainResult& result,
+                               const experiments::ThresholdBaseline& baseline) {
+  const auto& o = f->o;
+  const auto& model = result.model;
+  nlohmann::json summary = {
+      {"task", "segcaps"},
+      {"dice_definition", kDiceDefinition},
+      {"model", o.model.to_json()},
+      {"parameters",
+       [&] {
+         int64_t n = 0;
+         for (const auto& p : model->parameters()) n += p.numel();
+         return n;
+       }()},
+      {"routing", f->composite_routing ? "composite" : "fused"},
+      {"precision", precision_name(o.loop.precision)},
+      {"pos_weight", f->pos_weight},
+      {"recon_weight", o.model.recon_weight},
+      {"data",
+       {{"dataset", f->data.dataset},
+        {"dir", f->data.resolved()},
+        {"canvas", f->d.canvas},
+        {"fragments", f->d.fragments},
+        {"fragment_min", f->d.fragment_min},
+        {"fragment_max", f->d.fragment_max},
+        {"noise_std", f->d.noise_std},
+        {"mask_threshold", f->d.mask_threshold}}},
+      {"train_seed", o.loop.seed},
+      {"test_seed", f->test_seed},
+      {"steps", result.steps},
+      {"steps_requested", o.loop.max_steps},
+      {"max_minutes", f->max_minutes},
+      {"batch_size", o.loop.batch_size},
+      {"lr", o.loop.lr},
+      {"images_seen", result.steps * o.loop.batch_size},
+      {"train_seconds", result.seconds},
+      {"train_images_per_second", result.images_per_second},
+      {"final_train_loss", result.losses.empty() ? 0.0 : result.losses.back()},
+      {"threshold", o.threshold},
+      {"test_examples", result.test.examples},
+      {"test_dice", result.test.mean_dice},
+      {"test_loss", result.test.loss},
+      {"baseline",
+       {{"method", "predicted mask = input pixel > t; t tuned on training images over 0.05..0.95"},
+        {"best_threshold", baseline.best_threshold},
+        {"test_dice", baseline.test_dice_at_best},
+        {"test_dice_at_0.5", baseline.test_dice_at_half}}},
+      {"model_file", train::checkpoint_path(o.loop.out_dir)}};
+  return summary;
+}
 
-          auto baseline =
-              experiments::threshold_baseline(train_set, std::min<int64_t>(1000, o.test_size * 2), test_set, o.test_size);
-          std::cout
-              << fmt::format(
-                     "thresholding baseline (input > t): test Dice {:.4f} at t = {:.2f} (tuned on training images), "
-                     "{:.4f} at t = 0.50\n",
-                     baseline.test_dice_at_best, baseline.best_threshold, baseline.test_dice_at_half)
-              << std::flush;
+int run_segcaps(const std::shared_ptr<SegCapsFlags>& f, const std::shared_ptr<train::ProcessGroup>& group) {
+  using Clock = std::chrono::steady_clock;
+  const auto t_start = Clock::now();
+  auto& o = f->o;
 
-          auto result = experiments::train_segcaps(o, train_set, test_set, std::cout, group);
-          if (group && group->rank() != 0) return 0;  // rank 0 reports
-          auto& model = result.model;
-          std::cout << fmt::format(
-              "SegCaps test: mean Dice {:.4f} on {} images (loss {:.4f}); threshold baseline {:.4f}\n",
-              result.test.mean_dice, result.test.examples, result.test.loss, baseline.test_dice_at_best);
+  data::DigitSegmentation train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.loop.seed, f->d);
+  data::DigitSegmentation test_set(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_seed, f->d);
 
-          nlohmann::json summary = {
-              {"task", "segcaps"},
-              {"dice_definition", kDiceDefinition},
-              {"model", o.model.to_json()},
-              {"parameters",
-               [&] {
-                 int64_t n = 0;
-                 for (const auto& p : model->parameters()) n += p.numel();
-                 return n;
-               }()},
-              {"routing", f->composite_routing ? "composite" : "fused"},
-              {"precision", precision_name(o.loop.precision)},
-              {"pos_weight", f->pos_weight},
-              {"recon_weight", o.model.recon_weight},
-              {"data",
-               {{"dataset", f->data.dataset},
-                {"dir", f->data.resolved()},
-                {"canvas", f->d.canvas},
-                {"fragments", f->d.fragments},
-                {"fragment_min", f->d.fragment_min},
-                {"fragment_max", f->d.fragment_max},
-                {"noise_std", f->d.noise_std},
-                {"mask_threshold", f->d.mask_threshold}}},
-              {"train_seed", o.loop.seed},
-              {"test_seed", f->test_seed},
-              {"steps", result.steps},
-              {"steps_requested", o.loop.max_steps},
-              {"max_minutes", f->max_minutes},
-              {"batch_size", o.loop.batch_size},
-              {"lr", o.loop.lr},
-              {"images_seen", result.steps * o.loop.batch_size},
-              {"train_seconds", result.seconds},
-              {"train_images_per_second", result.images_per_second},
-              {"final_train_loss", result.losses.empty() ? 0.0 : result.losses.back()},
-              {"threshold", o.threshold},
-              {"test_examples", result.test.examples},
-              {"test_dice", result.test.mean_dice},
-              {"test_loss", result.test.loss},
-              {"baseline",
-               {{"method", "predicted mask = input pixel > t; t tuned on training images over 0.05..0.95"},
-                {"best_threshold", baseline.best_threshold},
-                {"test_dice", baseline.test_dice_at_best},
-                {"test_dice_at_0.5", baseline.test_dice_at_half}}},
-              {"model_file", train::checkpoint_path(o.loop.out_dir)}};
+  auto baseline =
+      experiments::threshold_baseline(train_set, std::min<int64_t>(1000, o.test_size * 2), test_set, o.test_size);
+  std::cout << fmt::format(
+                   "thresholding baseline (input > t): test Dice {:.4f} at t = {:.2f} (tuned on training images), "
+                   "{:.4f} at t = 0.50\n",
+                   baseline.test_dice_at_best, baseline.best_threshold, baseline.test_dice_at_half)
+            << std::flush;
 
-          if (f->figure_rows > 0) {
-            auto figure = experiments::segcaps_figure(model, test_set, 0, f->figure_rows, o.threshold);
-            const std::string png = o.loop.out_dir + "/segcaps.png";
-            viz::write_png_gray(png, figure);
-            summary["figure"] = png;
-            summary["figure_columns"] = "input | target mask | capsule length |v| | predicted mask (|v| > threshold)";
-            std::cout << fmt::format("wrote {} ({}x{} px)\n", png, figure.size(1), figure.size(0));
-          }
-          summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
-          const std::string json_path = o.loop.out_dir + "/segcaps.json";
-          write_text_file(json_path, train::dump_json(summary, 2) + "\n");
-          std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
-          return 0;
-        });
-      }};
+  auto result = experiments::train_segcaps(o, train_set, test_set, std::cout, group);
+  if (group && group->rank() != 0) return 0;  // rank 0 reports
+  auto& model = result.model;
+  std::cout << fmt::format("SegCaps test: mean Dice {:.4f} on {} images (loss {:.4f}); threshold baseline {:.4f}\n",
+                           result.test.mean_dice, result.test.examples, result.test.loss, baseline.test_dice_at_best);
+
+  auto summary = segcaps_summary(f.get(), result, baseline);
+  if (f->figure_rows > 0) {
+    auto figure = experiments::segcaps_figure(model, test_set, 0, f->figure_rows, o.threshold);
+    const std::string png = o.loop.out_dir + "/segcaps.png";
+    viz::write_png_gray(png, figure);
+    summary["figure"] = png;
+    summary["figure_columns"] = "input | target mask | capsule length |v| | predicted mask (|v| > threshold)";
+    std::cout << fmt::format("wrote {} ({}x{} px)\n", png, figure.size(1), figure.size(0));
+  }
+  summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
+  const std::string json_path = o.loop.out_dir + "/segcaps.json";
+  write_text_file(json_path, train::dump_json(summary, 2) + "\n");
+  std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
+  return 0;
+}
+
+}  // namespace
+
+Subcommand add_segcaps(CLI::App& root) {
+  auto f = std::make_shared<SegCapsFlags>();
+  auto* app = root.add_subcommand(
+      "segcaps",
+      "Train and evaluate a SegCaps-style capsule segmentation model on cluttered MNIST digit masks; reports the "
+      "mean Dice and the thresholding baseline (writes segcaps.json, segcaps.png, metrics.jsonl, checkpoint.pt in "
+      "--out)");
+  add_data_flags(*app, f->data);
+  add_segcaps_training_flags(app, f.get());
+  add_segcaps_image_flags(app, f.get());
+  add_segcaps_model_flags(app, f.get());
+  add_segcaps_run_flags(app, f.get());
+  return {app, [f]() {
+            apply_segcaps_flags(f.get());
+            return run_training_command(f->loop, f->o.loop.out_dir, f->o.loop.batch_size,
+                                        [f](const auto& group) { return run_segcaps(f, group); });
+          }};
 }
 
 }  // namespace capsnet::apps::cli
