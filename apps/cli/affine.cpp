@@ -15,6 +15,7 @@
 
 #include "capsnet/train/json_input.h"
 #include "capsnet/data/affine.h"
+#include "capsnet/data/idx.h"
 #include "capsnet/data/mnist.h"
 #include "capsnet/data/transforms.h"
 #include "capsnet/models/baseline_cnn.h"
@@ -43,6 +44,7 @@ struct Flags {
   int64_t train_limit = 0, test_limit = 2000, max_shift = 6;
   uint64_t test_seed = 2017;
   bool cnn_no_pool = false, no_robustness = false;
+  std::string write_sets;  // --write-sets DIR: write the test sets as IDX files and train nothing
 };
 
 
@@ -89,6 +91,27 @@ nlohmann::json robustness_sets_json(const std::vector<data::WarpSet>& family, ui
   return sets;
 }
 
+/// A file-name stem for a set of the robustness family: "<family>-<severity>", e.g. "rotation-30", "shear-0.2".
+std::string set_stem(const data::WarpSet& w) { return fmt::format("{}-{:g}", w.family, w.severity); }
+
+/// Writes each test set as a pair of IDX files, DIR/<stem>-images-idx3-ubyte (uint8 [N, 40, 40]) and
+/// DIR/<stem>-labels-idx1-ubyte (uint8 [N]), and DIR/sets.json saying how each was made, so that any
+/// trained model can be scored on exactly these digits (`capsnet eval --images ... --labels ...`).
+void write_test_sets(const std::string& dir, const std::vector<std::pair<std::string, const data::ImageSet*>>& sets,
+                     nlohmann::json manifest) {
+  std::filesystem::create_directories(dir);
+  manifest["files"] = nlohmann::json::object();
+  for (const auto& [stem, set] : sets) {
+    const std::string images = stem + "-images-idx3-ubyte", labels = stem + "-labels-idx1-ubyte";
+    data::write_idx(dir + "/" + images, set->images);
+    data::write_idx(dir + "/" + labels, set->labels.to(torch::kUInt8));
+    manifest["files"][stem] = {{"images", images}, {"labels", labels}, {"examples", set->size()}};
+  }
+  write_text_file(dir + "/sets.json", train::dump_json(manifest, 2) + "\n");
+  std::cout << fmt::format("wrote {} test sets of {} digits ({}x{}) to {} (sets.json says how each was made)\n",
+                           sets.size(), sets.empty() ? 0 : sets.front().second->size(), kCanvas, kCanvas, dir);
+}
+
 /// Accuracy on every set of the family (rows) for every model (columns), as a Markdown table.
 std::string robustness_table(const std::vector<data::WarpSet>& family, const nlohmann::json& results, int64_t digits) {
   std::string t = fmt::format("Test accuracy under each warp ({} test digits per set, placed uniformly in the canvas)\n\n| set |", digits);
@@ -118,13 +141,10 @@ int run(const Flags& f) {
   if (all_train.images.size(1) != 28 || all_train.images.size(2) != 28)
     throw std::invalid_argument(fmt::format("expected 28x28 MNIST images, got {}x{}", all_train.images.size(1),
                                             all_train.images.size(2)));
-  t.validate(all_train.size());
-  // The validation split: the last --val training digits, placed like the translated test set (their own
-  // placements, the same for every training seed).
-  const auto [train_set, val_source] = data::split_tail(all_train, t.validation_size);
-  const auto validation =
-      t.validation_size > 0 ? data::translated_set(val_source, f.test_seed + 1, kCanvas, 6) : data::ImageSet{};
-  std::filesystem::create_directories(f.out_dir);
+  if (f.write_sets.empty()) {  // (--write-sets trains nothing)
+    t.validate(all_train.size());
+    std::filesystem::create_directories(f.out_dir);
+  }
 
   std::cerr << fmt::format("building the test sets from {} MNIST test images (seed {}) ...\n", test_set.size(),
                            f.test_seed);
@@ -136,6 +156,29 @@ int run(const Flags& f) {
   std::vector<data::ImageSet> warped;
   for (size_t k = 0; k < family.size(); ++k)
     warped.push_back(data::affine_test_set(test_set, f.test_seed + 100 + k, kCanvas, family[k].ranges));
+  if (!f.write_sets.empty()) {
+    std::vector<std::pair<std::string, const data::ImageSet*>> sets = {{"translated", &translated},
+                                                                       {"affnist-style", &affine}};
+    for (size_t k = 0; k < family.size(); ++k) sets.emplace_back(set_stem(family[k]), &warped[k]);
+    write_test_sets(f.write_sets, sets,
+                    {{"canvas", kCanvas},
+                     {"test_seed", f.test_seed},
+                     {"test_digits", test_set.size()},
+                     {"source", "the first test_digits MNIST test images"},
+                     {"translated", {{"seed", f.test_seed}, {"max_shift", 6}}},
+                     {"affnist_style",
+                      {{"seed", f.test_seed},
+                       {"rotation_deg", ranges.max_rotation_deg},
+                       {"shear", ranges.max_shear},
+                       {"scale", {ranges.min_scale, ranges.max_scale}}}},
+                     {"robustness_sets", robustness_sets_json(family, f.test_seed)}});
+    return 0;
+  }
+  // The validation split: the last --val training digits, placed like the translated test set (their own
+  // placements, the same for every training seed).
+  const auto [train_set, val_source] = data::split_tail(all_train, t.validation_size);
+  const auto validation =
+      t.validation_size > 0 ? data::translated_set(val_source, f.test_seed + 1, kCanvas, 6) : data::ImageSet{};
   const std::string figure_path = f.out_dir + "/affnist_style_examples.png";
   auto figure = example_figure(test_set, affine, 24);
   viz::write_png_gray(figure_path, figure);
@@ -285,6 +328,10 @@ Subcommand add_affine(CLI::App& root) {
   app->add_flag("--no-robustness", f->no_robustness,
                 "Skip the robustness curve (every model scored on 12 warped copies of the test digits: rotation, "
                 "shear and scale alone at increasing severity, and two combined settings; robustness.md)");
+  app->add_option("--write-sets", f->write_sets,
+                  "Write the test sets (translated, affNIST-style and, unless --no-robustness, the 12 robustness "
+                  "sets) to this directory as IDX files with sets.json, and train nothing: score any 40x40 model on "
+                  "them with capsnet eval --images DIR/<set>-images-idx3-ubyte --labels DIR/<set>-labels-idx1-ubyte");
   app->add_flag("--cnn-no-pool", f->cnn_no_pool,
                 "Baseline CNN without max-pooling (the 35.4M-parameter variant at 28x28; 69.7M at 40x40)");
   return {app, [f]() { return run(*f); }};

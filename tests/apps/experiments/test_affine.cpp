@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
 
 #include <cmath>
 #include <filesystem>
@@ -585,6 +586,60 @@ TEST(AffineCliTest, EvalScoresAFortyPixelModelOnAnyIdxSetOfItsSide) {
     EXPECT_NE(r.status, 0) << args;
     EXPECT_NE(r.output.find(needle), std::string::npos) << args << ": " << r.output;
   }
+}
+
+// --write-sets writes every test set as IDX files that hold exactly the generator's digits, with sets.json
+// giving each set's seed and ranges, and trains nothing; eval scores a 40x40 model on any of them.
+TEST(AffineCliTest, WriteSetsWritesEveryTestSetAsIdxWithItsRecipeAndTrainsNothing) {
+  testing::TempDir dir;
+  const std::string data_dir = dir / "mnist", sets = dir / "sets", out = dir / "never";
+  const auto test_digits = digit_like_set(6, 72);
+  write_mnist_dir(data_dir, digit_like_set(8, 71), test_digits);
+  const std::string cli = CAPSNET_CLI;
+  auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out + " --write-sets " + sets +
+                                " --test-limit 0 --test-seed 31 --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(out)) << "nothing is trained";
+  const auto manifest = nlohmann::json::parse(std::ifstream(sets + "/sets.json"));
+  EXPECT_EQ(manifest["test_seed"], 31);
+  EXPECT_EQ(manifest["test_digits"], 6);
+  const auto family = data::robustness_family();
+  ASSERT_EQ(manifest["files"].size(), family.size() + 2);
+  ASSERT_EQ(manifest["robustness_sets"].size(), family.size());
+
+  auto read_set = [&](const std::string& stem) {
+    const auto& files = manifest["files"][stem];
+    return data::load_idx_set(sets + "/" + files["images"].get<std::string>(),
+                              sets + "/" + files["labels"].get<std::string>());
+  };
+  const auto translated = read_set("translated");
+  const auto expected = data::translated_set(test_digits, 31, 40, 6);
+  EXPECT_TRUE(torch::equal(translated.images, expected.images));
+  EXPECT_TRUE(torch::equal(translated.labels, expected.labels));
+  EXPECT_TRUE(torch::equal(read_set("affnist-style").images,
+                           data::affine_test_set(test_digits, 31, 40, data::AffineRanges{}).images));
+  // Each robustness set from its recorded seed and ranges, e.g. rotation alone up to 30 degrees.
+  for (size_t k = 0; k < family.size(); ++k) {
+    const auto& rec = manifest["robustness_sets"][k];
+    data::AffineRanges ranges = family[k].ranges;
+    EXPECT_EQ(rec["seed"].get<uint64_t>(), 31 + 100 + k);
+    const std::string stem = fmt::format("{}-{:g}", family[k].family, family[k].severity);
+    ASSERT_TRUE(manifest["files"].contains(stem)) << stem;
+    EXPECT_TRUE(torch::equal(read_set(stem).images,
+                             data::affine_test_set(test_digits, rec["seed"].get<uint64_t>(), 40, ranges).images))
+        << stem;
+  }
+  EXPECT_TRUE(manifest["files"].contains("rotation-30"));
+
+  // A model trained by affine scores on a written set through eval.
+  r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
+                           " --model capsnet --steps 1 --batch-size 2 --no-robustness --no-progress --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = testing::run_command(cli + " eval --checkpoint " + out + "/capsnet/checkpoint.pt --images " + sets +
+                           "/rotation-30-images-idx3-ubyte --labels " + sets +
+                           "/rotation-30-labels-idx1-ubyte --json --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(r.output.substr(r.output.find('{')))["examples"], 6);
 }
 
 // The paper's protocol: whole epochs, each model evaluated on the translated test set after every
