@@ -29,35 +29,25 @@ int64_t count(const std::vector<torch::Tensor>& params) {
   return n;
 }
 
-}  // namespace
+struct Pix2pixFlags {
+  experiments::Pix2pixTrainOptions o;
+  std::string precision;  // --precision, parsed into o.loop.precision
+  data::LabelMapOptions maps;
+  DataFlags data;
+  uint64_t test_seed = 1001;
+  int64_t figure_rows = 8;
+  double max_minutes = 0;
+  bool composite_routing = false;
+  std::string compare_with;  // another run's checkpoint.pt, drawn beside this one in the figures
+  std::string classifier;    // a CapsNet checkpoint for the label-consistency score
+  LoopFlags loop;
+};
 
-Subcommand add_capspix2pix(CLI::App& root) {
-  struct Flags {
-    experiments::Pix2pixTrainOptions o;
-    std::string precision;  // --precision, parsed into o.loop.precision
-    data::LabelMapOptions maps;
-    DataFlags data;
-    uint64_t test_seed = 1001;
-    int64_t figure_rows = 8;
-    double max_minutes = 0;
-    bool composite_routing = false;
-    std::string compare_with;  // another run's checkpoint.pt, drawn beside this one in the figures
-    std::string classifier;    // a CapsNet checkpoint for the label-consistency score
-    LoopFlags loop;
-  };
-  auto f = std::make_shared<Flags>();
-  f->data.dataset = "fashion-mnist";
-  auto* app = root.add_subcommand(
-      "capspix2pix",
-      "Train a conditional GAN (label map -> image) with a capsule U-net generator (CapsPix2pix) or the pix2pix "
-      "CNN U-net, PatchGAN discriminator, GAN + lambda L1; reports L1, PSNR, SSIM and diversity on held-out maps "
-      "(writes capspix2pix.json, capspix2pix_*.png, metrics.jsonl, checkpoint.pt in --out)");
-  app->add_option("--generator", f->o.model.generator, "Generator: caps (CapsPix2pix) or cnn (pix2pix U-net)")
-      ->check(CLI::IsMember({"caps", "cnn"}))
-      ->capture_default_str();
-  add_data_flags(*app, f->data);
+// --out, the optimizer, seeds and the held-out maps.
+void add_capspix2pix_training_flags(CLI::App* app, Pix2pixFlags* f) {
   app->add_option("--out", f->o.loop.out_dir, "Output directory")->capture_default_str();
-  app->add_option("--steps", f->o.loop.max_steps, "Training steps (each: one D and one G update on newly generated maps)")
+  app->add_option("--steps", f->o.loop.max_steps,
+                  "Training steps (each: one D and one G update on newly generated maps)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app->add_option("--batch-size", f->o.loop.batch_size, "Training batch size")->capture_default_str();
@@ -66,11 +56,21 @@ Subcommand add_capspix2pix(CLI::App& root) {
       ->capture_default_str();
   app->add_option("--test-seed", f->test_seed, "Seed of the held-out maps (from the test split)")
       ->capture_default_str();
-  app->add_option("--test-size", f->o.test_size, "Held-out maps to score")->check(CLI::PositiveNumber)->capture_default_str();
+  app->add_option("--test-size", f->o.test_size, "Held-out maps to score")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+}
+
+// The capsule layers and the loss.
+void add_capspix2pix_model_flags(CLI::App* app, Pix2pixFlags* f) {
   app->add_option("--routing-iters", f->o.model.routing_iterations, "Routing iterations r in the capsule layers")
       ->capture_default_str();
   app->add_option("--recon-weight", f->o.model.l1_weight, "Weight lambda of the L1 term (pix2pix: 100)")
       ->capture_default_str();
+}
+
+// The time budget, logging, checkpoints, figures and scores, routing path, precision and the loop's flags.
+void add_capspix2pix_run_flags(CLI::App* app, Pix2pixFlags* f) {
   app->add_option("--max-minutes", f->max_minutes,
                   "Wall-clock training budget in minutes (0 = none); the model is evaluated where it stopped")
       ->capture_default_str();
@@ -95,133 +95,174 @@ Subcommand add_capspix2pix(CLI::App& root) {
           "layers'): fp32, bf16 (AVX512_BF16/AMX CPUs; fp32 weights; routing, BatchNorm and the losses stay fp32) "
           "or auto (bf16 where the CPU has it). --compare-with and --classifier models run in fp32");
   add_loop_flags(*app, f->loop);
+}
 
+// The flags into the options, checked before any data is loaded.
+void apply_capspix2pix_flags(Pix2pixFlags* f) {
+  auto& o = f->o;
+  o.loop.precision = precision_from_flag(f->precision);
+  o.loop.progress = !f->loop.no_progress;
+  o.loop.resume = f->loop.resume;
+  o.loop.max_seconds = 60 * f->max_minutes;
+  o.fused_routing = !f->composite_routing;
+  o.model.image_size = f->maps.size;
+  o.validate();  // before loading the data
+}
+
+// capspix2pix.json: the options, data, training figures and the held-out scores.
+nlohmann::json capspix2pix_summary(const Pix2pixFlags* f, const experiments::Pix2pixTrainResult& result,
+                                   const std::optional<experiments::LabelConsistency>& consistency) {
+  const auto& o = f->o;
+  const auto& model = result.model;
+  const auto& t = result.test;
+  nlohmann::json summary = {
+      {"task", "capspix2pix"},
+      {"generator", o.model.generator},
+      {"model", o.model.to_json()},
+      {"generator_parameters", count(model->generator_parameters())},
+      {"discriminator_parameters", count(model->discriminator_parameters())},
+      {"routing", f->composite_routing ? "composite" : "fused"},
+      {"precision", precision_name(o.loop.precision)},
+      {"data",
+       {{"dataset", f->data.dataset},
+        {"dir", f->data.resolved()},
+        {"size", f->maps.size},
+        {"object_threshold", f->maps.object_threshold},
+        {"flip", f->maps.flip},
+        {"classes", "0 background, 1 interior, 2 edge"}}},
+      {"train_seed", o.loop.seed},
+      {"test_seed", f->test_seed},
+      {"eval_seed", o.eval_seed},
+      {"steps", result.steps},
+      {"steps_requested", o.loop.max_steps},
+      {"max_minutes", f->max_minutes},
+      {"batch_size", o.loop.batch_size},
+      {"lr", o.loop.lr},
+      {"beta1", o.beta1},
+      {"l1_weight", o.model.l1_weight},
+      {"images_seen", result.steps * o.loop.batch_size},
+      {"train_seconds", result.seconds},
+      {"train_images_per_second", result.images_per_second},
+      {"threads", at::get_num_threads()},
+      {"test",
+       {{"maps", t.examples},
+        {"l1", t.l1},
+        {"psnr_db", t.psnr},
+        {"ssim", t.ssim},
+        {"diversity", t.diversity},
+        {"diversity_maps", o.diversity_maps},
+        {"diversity_samples", o.diversity_samples},
+        {"definitions",
+         "images mapped to [0, 1]; L1 = mean |G(x, z) - y|; PSNR = 10 log10(1 / MSE) per image; SSIM: "
+         "11x11 Gaussian window (sigma 1.5), mean over the map; all averaged over the test maps, z fixed "
+         "by eval_seed; diversity = mean pairwise L1 of diversity_samples images of one map (different "
+         "z), averaged over diversity_maps maps"}}},
+      {"model_file", train::checkpoint_path(o.loop.out_dir)}};
+
+  if (consistency)
+    summary["test"]["label_consistency"] = {
+        {"classifier", f->classifier},
+        {"generated", consistency->generated},
+        {"real", consistency->real},
+        {"definition",
+         "share of the test maps' images (z fixed by eval_seed) that the classifier assigns to the source "
+         "image's class; images in [0, 1], resized bilinearly to the classifier's size; real = the true "
+         "images of the same maps"}};
+  return summary;
+}
+
+// The comparison, variation and interpolation figures of `model` (and `other`, when given), listed in summary.
+void write_capspix2pix_figures(const Pix2pixFlags* f, const models::Pix2pix& model,
+                               const std::optional<models::Pix2pix>& other, const data::LabelMaps& test_set,
+                               nlohmann::json& summary) {
+  const auto& o = f->o;
+  // Column order as in the seed deck: pix2pix before CapsPix2pix.
+  std::vector<models::Pix2pix> models{model};
+  if (other) {
+    if ((*other)->config.image_size != o.model.image_size)
+      throw std::invalid_argument("--compare-with: that model has another image size");
+    if ((*other)->config.generator == "cnn")
+      models.insert(models.begin(), *other);
+    else
+      models.push_back(*other);
+    summary["compared_with"] = f->compare_with;
+  }
+  std::string names;  // "CapsPix2pix" or "CapsPix2pix | pix2pix": the figures' rows, in order
+  for (const auto& m : models)
+    names += (names.empty() ? "" : " | ") + std::string(m->config.generator == "caps" ? "CapsPix2pix" : "pix2pix");
+  auto write = [&](const std::string& name, const torch::Tensor& figure, const std::string& what) {
+    const std::string png = o.loop.out_dir + "/" + name;
+    viz::write_png_gray(png, figure);
+    summary["figures"][name] = what;
+    std::cout << fmt::format("wrote {} ({}x{} px)\n", png, figure.size(1), figure.size(0));
+  };
+  write("capspix2pix_compare.png",
+        experiments::pix2pix_comparison_figure(models, test_set, 0, f->figure_rows, o.eval_seed),
+        "one row per held-out map: label | " + names + " | real");
+  write("capspix2pix_variations.png", experiments::pix2pix_variations_figure(models, test_set, 0, 8, o.eval_seed),
+        "one row per model (" + names + "): label of held-out map 0 | 8 samples, different z");
+  write("capspix2pix_interpolation.png",
+        experiments::pix2pix_interpolation_figure(models, test_set, 0, 8, o.eval_seed),
+        "one row per model (" + names + "): label of held-out map 0 | z = (1 - t) z1 + t z2, t = 0..1");
+}
+
+int run_capspix2pix(const std::shared_ptr<Pix2pixFlags>& f, const std::shared_ptr<train::ProcessGroup>& group) {
+  if (group) throw std::invalid_argument("capspix2pix runs in one process only (--nproc 1)");
+  const auto t_start = std::chrono::steady_clock::now();
+  auto& o = f->o;
+  std::optional<models::Pix2pix> other;
+  if (!f->compare_with.empty()) other = experiments::load_pix2pix(f->compare_with);  // fail before training
+  std::optional<models::CapsNet> classifier;
+  if (!f->classifier.empty()) classifier = train::load_model(f->classifier);
+  data::LabelMaps train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.loop.seed, f->maps);
+  data::LabelMaps test_set(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_seed, f->maps);
+
+  auto result = experiments::train_pix2pix(o, train_set, test_set, std::cout);
+  auto& model = result.model;
+  const auto& t = result.test;
+  std::cout << fmt::format(
+      "{} generator, test ({} maps): L1 {:.4f} PSNR {:.2f} dB SSIM {:.4f}; diversity across z {:.4f}\n",
+      o.model.generator, t.examples, t.l1, t.psnr, t.ssim, t.diversity);
+
+  std::optional<experiments::LabelConsistency> consistency;
+  if (classifier) {
+    consistency =
+        experiments::label_consistency(model, *classifier, test_set, o.test_size, o.eval_batch_size, o.eval_seed);
+    std::cout << fmt::format("label consistency ({} maps, classifier {}): generated {:.2f}%, real images {:.2f}%\n",
+                             consistency->examples, f->classifier, 100 * consistency->generated,
+                             100 * consistency->real);
+  }
+
+  auto summary = capspix2pix_summary(f.get(), result, consistency);
+  if (f->figure_rows > 0) write_capspix2pix_figures(f.get(), model, other, test_set, summary);
+  summary["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  const std::string json_path = o.loop.out_dir + "/capspix2pix.json";
+  write_text_file(json_path, train::dump_json(summary, 2) + "\n");
+  std::cout << fmt::format("wrote {}\n", json_path);
+  return 0;
+}
+
+}  // namespace
+
+Subcommand add_capspix2pix(CLI::App& root) {
+  auto f = std::make_shared<Pix2pixFlags>();
+  f->data.dataset = "fashion-mnist";
+  auto* app = root.add_subcommand(
+      "capspix2pix",
+      "Train a conditional GAN (label map -> image) with a capsule U-net generator (CapsPix2pix) or the pix2pix "
+      "CNN U-net, PatchGAN discriminator, GAN + lambda L1; reports L1, PSNR, SSIM and diversity on held-out maps "
+      "(writes capspix2pix.json, capspix2pix_*.png, metrics.jsonl, checkpoint.pt in --out)");
+  app->add_option("--generator", f->o.model.generator, "Generator: caps (CapsPix2pix) or cnn (pix2pix U-net)")
+      ->check(CLI::IsMember({"caps", "cnn"}))
+      ->capture_default_str();
+  add_data_flags(*app, f->data);
+  add_capspix2pix_training_flags(app, f.get());
+  add_capspix2pix_model_flags(app, f.get());
+  add_capspix2pix_run_flags(app, f.get());
   return {app, [f]() {
-            auto& o = f->o;
-            o.loop.precision = precision_from_flag(f->precision);
-            o.loop.progress = !f->loop.no_progress;
-            o.loop.resume = f->loop.resume;
-            o.loop.max_seconds = 60 * f->max_minutes;
-            o.fused_routing = !f->composite_routing;
-            o.model.image_size = f->maps.size;
-            o.validate();  // before loading the data
-            return run_training_command(f->loop, o.loop.out_dir, o.loop.batch_size, [f](auto group) {
-              if (group) throw std::invalid_argument("capspix2pix runs in one process only (--nproc 1)");
-              const auto t_start = std::chrono::steady_clock::now();
-              auto& o = f->o;
-              std::optional<models::Pix2pix> other;
-              if (!f->compare_with.empty()) other = experiments::load_pix2pix(f->compare_with);  // fail before training
-              std::optional<models::CapsNet> classifier;
-              if (!f->classifier.empty()) classifier = train::load_model(f->classifier);
-              data::LabelMaps train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.loop.seed, f->maps);
-              data::LabelMaps test_set(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_seed, f->maps);
-
-              auto result = experiments::train_pix2pix(o, train_set, test_set, std::cout);
-              auto& model = result.model;
-              const auto& t = result.test;
-              std::cout << fmt::format(
-                  "{} generator, test ({} maps): L1 {:.4f} PSNR {:.2f} dB SSIM {:.4f}; diversity across z {:.4f}\n",
-                  o.model.generator, t.examples, t.l1, t.psnr, t.ssim, t.diversity);
-
-              std::optional<experiments::LabelConsistency> consistency;
-              if (classifier) {
-                consistency = experiments::label_consistency(model, *classifier, test_set, o.test_size, o.eval_batch_size,
-                                                       o.eval_seed);
-                std::cout << fmt::format(
-                    "label consistency ({} maps, classifier {}): generated {:.2f}%, real images {:.2f}%\n",
-                    consistency->examples, f->classifier, 100 * consistency->generated, 100 * consistency->real);
-              }
-
-              nlohmann::json summary = {
-                  {"task", "capspix2pix"},
-                  {"generator", o.model.generator},
-                  {"model", o.model.to_json()},
-                  {"generator_parameters", count(model->generator_parameters())},
-                  {"discriminator_parameters", count(model->discriminator_parameters())},
-                  {"routing", f->composite_routing ? "composite" : "fused"},
-                  {"precision", precision_name(o.loop.precision)},
-                  {"data",
-                   {{"dataset", f->data.dataset},
-                    {"dir", f->data.resolved()},
-                    {"size", f->maps.size},
-                    {"object_threshold", f->maps.object_threshold},
-                    {"flip", f->maps.flip},
-                    {"classes", "0 background, 1 interior, 2 edge"}}},
-                  {"train_seed", o.loop.seed},
-                  {"test_seed", f->test_seed},
-                  {"eval_seed", o.eval_seed},
-                  {"steps", result.steps},
-                  {"steps_requested", o.loop.max_steps},
-                  {"max_minutes", f->max_minutes},
-                  {"batch_size", o.loop.batch_size},
-                  {"lr", o.loop.lr},
-                  {"beta1", o.beta1},
-                  {"l1_weight", o.model.l1_weight},
-                  {"images_seen", result.steps * o.loop.batch_size},
-                  {"train_seconds", result.seconds},
-                  {"train_images_per_second", result.images_per_second},
-                  {"threads", at::get_num_threads()},
-                  {"test",
-                   {{"maps", t.examples},
-                    {"l1", t.l1},
-                    {"psnr_db", t.psnr},
-                    {"ssim", t.ssim},
-                    {"diversity", t.diversity},
-                    {"diversity_maps", o.diversity_maps},
-                    {"diversity_samples", o.diversity_samples},
-                    {"definitions",
-                     "images mapped to [0, 1]; L1 = mean |G(x, z) - y|; PSNR = 10 log10(1 / MSE) per image; SSIM: "
-                     "11x11 Gaussian window (sigma 1.5), mean over the map; all averaged over the test maps, z fixed "
-                     "by eval_seed; diversity = mean pairwise L1 of diversity_samples images of one map (different "
-                     "z), averaged over diversity_maps maps"}}},
-                  {"model_file", train::checkpoint_path(o.loop.out_dir)}};
-
-              if (consistency)
-                summary["test"]["label_consistency"] = {
-                    {"classifier", f->classifier},
-                    {"generated", consistency->generated},
-                    {"real", consistency->real},
-                    {"definition",
-                     "share of the test maps' images (z fixed by eval_seed) that the classifier assigns to the source "
-                     "image's class; images in [0, 1], resized bilinearly to the classifier's size; real = the true "
-                     "images of the same maps"}};
-
-              if (f->figure_rows > 0) {
-                // Column order as in the seed deck: pix2pix before CapsPix2pix.
-                std::vector<models::Pix2pix> models{model};
-                if (other) {
-                  if ((*other)->config.image_size != o.model.image_size)
-                    throw std::invalid_argument("--compare-with: that model has another image size");
-                  if ((*other)->config.generator == "cnn") models.insert(models.begin(), *other);
-                  else models.push_back(*other);
-                  summary["compared_with"] = f->compare_with;
-                }
-                std::string names;  // "CapsPix2pix" or "CapsPix2pix | pix2pix": the figures' rows, in order
-                for (const auto& m : models)
-                  names += (names.empty() ? "" : " | ") +
-                           std::string(m->config.generator == "caps" ? "CapsPix2pix" : "pix2pix");
-                auto write = [&](const std::string& name, const torch::Tensor& figure, const std::string& what) {
-                  const std::string png = o.loop.out_dir + "/" + name;
-                  viz::write_png_gray(png, figure);
-                  summary["figures"][name] = what;
-                  std::cout << fmt::format("wrote {} ({}x{} px)\n", png, figure.size(1), figure.size(0));
-                };
-                write("capspix2pix_compare.png",
-                      experiments::pix2pix_comparison_figure(models, test_set, 0, f->figure_rows, o.eval_seed),
-                      "one row per held-out map: label | " + names + " | real");
-                write("capspix2pix_variations.png",
-                      experiments::pix2pix_variations_figure(models, test_set, 0, 8, o.eval_seed),
-                      "one row per model (" + names + "): label of held-out map 0 | 8 samples, different z");
-                write("capspix2pix_interpolation.png",
-                      experiments::pix2pix_interpolation_figure(models, test_set, 0, 8, o.eval_seed),
-                      "one row per model (" + names + "): label of held-out map 0 | z = (1 - t) z1 + t z2, t = 0..1");
-              }
-              summary["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-              const std::string json_path = o.loop.out_dir + "/capspix2pix.json";
-              write_text_file(json_path, train::dump_json(summary, 2) + "\n");
-              std::cout << fmt::format("wrote {}\n", json_path);
-              return 0;
-            });
+            apply_capspix2pix_flags(f.get());
+            return run_training_command(f->loop, f->o.loop.out_dir, f->o.loop.batch_size,
+                                        [f](const auto& group) { return run_capspix2pix(f, group); });
           }};
 }
 
