@@ -4,11 +4,14 @@
 # Writes OUT_DIR/capsnet-<dataset>.pt (weights only, fp16 storage unless STORAGE says otherwise, an
 # 8-image probe for ports, the card inside as JSON), OUT_DIR/card.json and OUT_DIR/SHA256SUMS. The card's accuracy is measured on
 # the stored file itself, over the whole test split, so `capsnet eval` on it prints exactly that.
-# Either network: a CapsNet checkpoint, or one of `capsnet em` (matrix capsules, EM routing).
+# Any network: a CapsNet checkpoint, one of `capsnet em` (matrix capsules, EM routing), or the baseline CNN
+# of `capsnet affine` / `capsnet stn`.
 # Environment: NAME (file stem, default capsnet-<dataset>), STEPS_PER_EPOCH (for the card's epochs;
 # default 600, i.e. 60,000 images at batch 100; `capsnet em` at batch 32: 1875), STORAGE (fp16 by
 # default; fp32 or bf16), CARD_EXTRA (a JSON object merged into the card, e.g. the validation rule,
-# validation accuracy and seed of a run with --val).
+# validation accuracy and seed of a run with --val), EVAL_ARGS (what the card's accuracy is measured on;
+# default `--dataset DATASET`, e.g. `--images X --labels Y` for a 40x40 model and a set written by
+# `capsnet affine --write-sets`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CLI="${CAPSNET_CLI:-$ROOT/build/bin/capsnet}"  # CAPSNET_CLI: another build of the tool
@@ -16,11 +19,12 @@ CKPT="$1"; OUT="$2"; COMMAND="$3"; DATASET="${4:-mnist}"
 NAME="${NAME:-capsnet-$DATASET}.pt"
 STEPS_PER_EPOCH="${STEPS_PER_EPOCH:-600}"
 STORAGE="${STORAGE:-fp16}"
+read -r -a EVAL <<< "${EVAL_ARGS:---dataset $DATASET}"
 mkdir -p "$OUT"
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 
 "$CLI" export --checkpoint "$CKPT" --storage "$STORAGE" --probe 8 --out "$tmp/w.pt"
-"$CLI" eval --checkpoint "$tmp/w.pt" --dataset "$DATASET" --json --no-progress > "$tmp/eval.json"
+"$CLI" eval --checkpoint "$tmp/w.pt" "${EVAL[@]}" --json --no-progress > "$tmp/eval.json"
 CARD_EXTRA="${CARD_EXTRA:-{\}}" /usr/bin/python3 - "$tmp/eval.json" "$CKPT" "$tmp/w.pt" "$DATASET" "$COMMAND" "$STEPS_PER_EPOCH" "$STORAGE" > "$tmp/card.json" <<'EOF'
 import json, os, sys, torch
 ev = json.load(open(sys.argv[1]))
@@ -32,8 +36,16 @@ if weights.get("model", "capsnet") == "matrix-capsnet":
     model = (f"Matrix capsules with EM routing (Hinton, Sabour & Frosst 2018): ReLU Conv1 A={c['conv1_channels']}@5x5, "
              f"PrimaryCaps B={c['primary_types']}, ConvCaps1 C={c['conv1_caps_types']}, ConvCaps2 D={c['conv2_caps_types']}, "
              f"class capsules with coordinate addition, 4x4 poses, {c['routing_iterations']} EM iterations")
+elif weights.get("model") == "baseline-cnn":
+    model = (f"Baseline CNN (Sabour et al. 2017, Sec. 5): 3 conv {c['kernel_size']}x{c['kernel_size']} "
+             f"{c['conv1_channels']}/{c['conv2_channels']}/{c['conv3_channels']}"
+             f"{', 2x2 max-pool after conv1 and conv2' if c['pooling'] else ', no pooling'}, "
+             f"FC {c['fc1_units']}/{c['fc2_units']}, dropout {c['dropout']}"
+             f"{', spatial transformer' if c.get('stn') else ''}; {c['image_size']}x{c['image_size']} inputs")
 else:
     model = "CapsNet (Sabour et al. 2017): Conv1 256@9x9, PrimaryCaps 32x8D, DigitCaps 10x16D, r=3, decoder"
+    if c.get("image_size", 28) != 28:
+        model += f"; {c['image_size']}x{c['image_size']} inputs"
 meta_epochs = step / steps_per_epoch
 wrong = ev["examples"] - sum(ev["confusion"][k][k] for k in range(len(ev["confusion"])))
 card = {
@@ -47,7 +59,7 @@ card = {
     "test_accuracy": ev["accuracy"],
     "test_errors": wrong,
     "test_examples": ev["examples"],
-    "evaluated_with": "capsnet eval on this file (fp32 compute), whole test split",
+    "evaluated_with": "capsnet eval on this file (fp32 compute), " + ev["split"] if ev["split"] not in ("test", "train") else "capsnet eval on this file (fp32 compute), whole test split",
 }
 card.update(json.loads(os.environ["CARD_EXTRA"]))
 print(json.dumps(card, indent=2))

@@ -136,12 +136,17 @@ int run(const Flags& f) {
   if (f.model == "capsnet" || f.model == "both") names.push_back("capsnet");
   if (f.model == "cnn" || f.model == "both") names.push_back("cnn");
 
-  auto all_train = data::take(data::load_mnist(f.data.resolved(), data::Split::kTrain), f.train_limit);
-  auto test_set = data::take(data::load_mnist(f.data.resolved(), data::Split::kTest), f.test_limit);
-  if (all_train.images.size(1) != 28 || all_train.images.size(2) != 28)
-    throw std::invalid_argument(fmt::format("expected 28x28 MNIST images, got {}x{}", all_train.images.size(1),
-                                            all_train.images.size(2)));
-  if (f.write_sets.empty()) {  // (--write-sets trains nothing)
+  auto load_28 = [&](data::Split split, int64_t limit) {
+    auto set = data::take(data::load_mnist(f.data.resolved(), split), limit);
+    if (set.images.size(1) != 28 || set.images.size(2) != 28)
+      throw std::invalid_argument(
+          fmt::format("expected 28x28 MNIST images, got {}x{}", set.images.size(1), set.images.size(2)));
+    return set;
+  };
+  auto test_set = load_28(data::Split::kTest, f.test_limit);
+  data::ImageSet all_train;  // (--write-sets trains nothing: no training set)
+  if (f.write_sets.empty()) {
+    all_train = load_28(data::Split::kTrain, f.train_limit);
     t.validate(all_train.size());
     std::filesystem::create_directories(f.out_dir);
   }

@@ -145,7 +145,7 @@ std::string worker_command(const Flags& f, const std::string& config) {
     return shell_quote(f.python) + " " + shell_quote(f.peer_script) + sizes + threads +
            fmt::format(" --routing-iters {}", f.routing_iters);
   if (config.rfind("peer-tuned", 0) == 0 || config.rfind("peer-spectral", 0) == 0) {
-    const bool bf16 = config.size() > 5 && config.compare(config.size() - 5, 5, "-bf16") == 0;
+    const bool bf16 = is_bf16_config(config);
     const auto& script = config.rfind("peer-tuned", 0) == 0 ? f.tuned_peer_script : f.spectral_peer_script;
     return shell_quote(f.python) + " " + shell_quote(script) + sizes + threads +
            fmt::format(" --routing-iters {} --precision {}", f.routing_iters, bf16 ? "bf16" : "fp32");

@@ -29,18 +29,11 @@ int64_t count(const std::vector<torch::Tensor>& params) {
   return n;
 }
 
-struct Pix2pixFlags {
+struct Pix2pixFlags : ImageExperimentFlags {
   experiments::Pix2pixTrainOptions o;
-  std::string precision;  // --precision, parsed into o.loop.precision
   data::LabelMapOptions maps;
-  DataFlags data;
-  uint64_t test_seed = 1001;
-  int64_t figure_rows = 8;
-  double max_minutes = 0;
-  bool composite_routing = false;
   std::string compare_with;  // another run's checkpoint.pt, drawn beside this one in the figures
   std::string classifier;    // a CapsNet checkpoint for the label-consistency score
-  LoopFlags loop;
 };
 
 // --out, the optimizer, seeds and the held-out maps.

@@ -2,6 +2,7 @@
 #include <fmt/ranges.h>
 
 #include <iostream>
+#include <functional>
 #include <memory>
 
 #include "capsnet/data/mnist.h"
@@ -15,17 +16,148 @@
 
 namespace capsnet::apps::cli {
 
-Subcommand add_eval(CLI::App& root) {
-  struct Flags {
-    DataFlags data;
-    std::string checkpoint, split = "test", images, labels;
-    int64_t limit = 0, batch_size = 250;
-    bool json = false, no_progress = false;
-    int threads = 0;
-    std::string precision = "fp32";
+namespace {
+
+struct EvalFlags {
+  DataFlags data;
+  std::string checkpoint, split = "test", images, labels;
+  int64_t limit = 0, batch_size = 250;
+  bool json = false, no_progress = false;
+  int threads = 0;
+  std::string precision = "fp32";
+};
+
+/// The network of a checkpoint or weight file, as eval scores it.
+struct ScoredModel {
+  std::string kind;  // train::kCapsNetModel, kMatrixCapsNetModel or kBaselineCnnModel
+  int64_t image_size = 0, image_channels = 0;
+  std::string loss_name;  // how the text output names the loss: "" or "spread " (EM)
+  std::function<train::EvalResult(const data::ImageSet&, int64_t batch_size, std::ostream* progress)> evaluate;
+};
+
+ScoredModel load_scored_model(const std::string& path, Precision precision) {
+  ScoredModel m;
+  m.kind = train::stored_model(path);
+  auto take = [&](auto model) {
+    model->set_precision(precision);
+    m.image_size = model->config.image_size;
+    m.image_channels = model->config.image_channels;
+    return model;
   };
-  auto f = std::make_shared<Flags>();
-  auto* app = root.add_subcommand("eval", "Accuracy and confusion matrix of a checkpoint or weight file (CapsNet, or matrix capsules from capsnet em) on MNIST, Fashion-MNIST or an image folder");
+  if (m.kind == train::kMatrixCapsNetModel) {
+    m.loss_name = "spread ";
+    m.evaluate = [model = take(train::load_matrix_model(path))](const data::ImageSet& set, int64_t batch_size,
+                                                                 std::ostream* progress) mutable {
+      auto e = experiments::evaluate_em(model, set, /*count=*/0, batch_size, experiments::kFinalSpreadMargin,
+                                        progress);
+      train::EvalResult r;
+      r.examples = e.examples;
+      r.accuracy = e.accuracy;
+      r.loss = e.loss;
+      r.confusion = e.confusion;
+      return r;
+    };
+  } else if (m.kind == train::kBaselineCnnModel) {
+    m.evaluate = [model = take(train::load_baseline_cnn(path))](const data::ImageSet& set, int64_t batch_size,
+                                                                std::ostream* progress) mutable {
+      return train::evaluate(model, set, batch_size, progress);
+    };
+  } else {
+    m.evaluate = [model = take(train::load_model(path))](const data::ImageSet& set, int64_t batch_size,
+                                                         std::ostream* progress) mutable {
+      return train::evaluate(model, set, batch_size, progress);
+    };
+  }
+  return m;
+}
+
+/// Any labelled IDX set whose side matches the model, e.g. a generated 40x40 test set.
+data::ImageSet idx_eval_set(const EvalFlags& f, const ScoredModel& m, const train::InputSpec& spec) {
+  if (m.image_channels != 1)
+    throw std::invalid_argument(
+        fmt::format("{}: IDX images have 1 channel, but the model takes {}", f.images, m.image_channels));
+  auto set = data::take(data::load_idx_set(f.images, f.labels), f.limit);
+  if (set.images.size(1) != m.image_size)
+    throw std::invalid_argument(fmt::format("{}: images are {}x{}, but the model {} takes {}x{}", f.images,
+                                            set.images.size(1), set.images.size(2), f.checkpoint, m.image_size,
+                                            m.image_size));
+  const auto classes = static_cast<int64_t>(spec.class_names.size());
+  if (set.size() > 0 && set.labels.max().item<int64_t>() >= classes)
+    throw std::invalid_argument(fmt::format("{}: label {} is not a class of the model ({} classes)", f.labels,
+                                            set.labels.max().item<int64_t>(), classes));
+  return set;
+}
+
+/// A split of an image folder, read at the model's side and (unless given) with the fit and split it was
+/// trained with.
+data::ImageSet folder_eval_set(EvalFlags& f, const CLI::App& app, const ScoredModel& m,
+                               const train::InputSpec& spec) {
+  if (m.kind == train::kMatrixCapsNetModel)
+    throw std::invalid_argument(fmt::format(
+        "{}: matrix-capsule models are evaluated on IDX data (--dataset mnist or fashion-mnist)", f.checkpoint));
+  auto& d = f.data;
+  d.folder.image_size = m.image_size;
+  if (!app.count("--image-fit")) d.fit = spec.image_fit;
+  if (!app.count("--test-fraction")) d.folder.test_fraction = spec.test_fraction;
+  if (!app.count("--split-seed")) d.folder.split_seed = spec.split_seed;
+  auto loaded = load_labelled_data(d, f.split == "train", f.split == "test", f.limit, f.limit,
+                                   f.json ? std::cerr : std::cout);
+  if (loaded.channels != m.image_channels)
+    throw std::invalid_argument(fmt::format("{}: images with {} channel(s), but the model takes {}", d.dir,
+                                            loaded.channels, m.image_channels));
+  if (loaded.class_names != spec.class_names)
+    throw std::invalid_argument(fmt::format("{}: classes ({}) differ from the model's ({})", d.dir,
+                                            fmt::join(loaded.class_names, ", "), fmt::join(spec.class_names, ", ")));
+  auto set = f.split == "train" ? *loaded.train : *loaded.test;
+  if (set.size() == 0) throw std::invalid_argument(fmt::format("{}: the {} split is empty", d.dir, f.split));
+  return set;
+}
+
+/// The set eval scores: --images/--labels, an image folder, or an MNIST-format split.
+data::ImageSet eval_set(EvalFlags& f, const CLI::App& app, const ScoredModel& m, const train::InputSpec& spec) {
+  if (!f.images.empty()) return idx_eval_set(f, m, spec);
+  if (f.data.is_folder()) return folder_eval_set(f, app, m, spec);
+  if (m.image_size != 28)
+    throw std::invalid_argument(fmt::format("{}: the model takes {}x{} images, but --dataset is 28x28; score a set "
+                                            "of its side with --images/--labels (e.g. from capsnet affine "
+                                            "--write-sets)",
+                                            f.checkpoint, m.image_size, m.image_size));
+  auto split = f.split == "train" ? data::Split::kTrain : data::Split::kTest;
+  return data::take(data::load_mnist(f.data.resolved(), split), f.limit);
+}
+
+void print_eval(const EvalFlags& f, const ScoredModel& m, const train::InputSpec& spec, const std::string& split_name,
+                const train::EvalResult& r) {
+  if (f.json) {
+    nlohmann::json j = {{"checkpoint", f.checkpoint}, {"model", m.kind},  {"split", split_name},
+                        {"examples", r.examples},     {"accuracy", r.accuracy}, {"error", 1 - r.accuracy},
+                        {"loss", r.loss},             {"classes", spec.class_names}};
+    auto c = r.confusion.accessor<int64_t, 2>();
+    for (int64_t i = 0; i < r.confusion.size(0); ++i) {
+      std::vector<int64_t> row(c[i].data(), c[i].data() + r.confusion.size(1));
+      j["confusion"].push_back(row);
+    }
+    std::cout << train::dump_json(j) << '\n';
+    return;
+  }
+  std::cout << fmt::format("{} accuracy: {:.2f}% (error {:.2f}%, {} of {} wrong), {}loss {:.4f}\n", split_name,
+                           100 * r.accuracy, 100 * (1 - r.accuracy),
+                           r.examples - r.confusion.diag().sum().item<int64_t>(), r.examples, m.loss_name, r.loss);
+  std::cout << train::format_confusion(r.confusion);
+  bool numbered = true;  // names "0".."K-1" need no legend
+  for (size_t k = 0; k < spec.class_names.size(); ++k) numbered &= spec.class_names[k] == std::to_string(k);
+  if (!numbered) {
+    std::vector<std::string> legend;
+    for (size_t k = 0; k < spec.class_names.size(); ++k) legend.push_back(fmt::format("{} = {}", k, spec.class_names[k]));
+    std::cout << fmt::format("classes: {}\n", fmt::join(legend, ", "));
+  }
+}
+
+}  // namespace
+
+Subcommand add_eval(CLI::App& root) {
+  auto f = std::make_shared<EvalFlags>();
+  auto* app = root.add_subcommand("eval", "Accuracy and confusion matrix of a checkpoint or weight file (CapsNet, matrix capsules from capsnet em, or the baseline CNN of capsnet affine / stn) on MNIST, Fashion-MNIST, an image folder or any IDX set");
   app->add_option("--checkpoint", f->checkpoint, "Checkpoint to evaluate (default: the shipped MNIST model, " + std::string(kShippedModel) + ")");
   add_data_flags(*app, f->data);
   add_image_folder_flags(*app, f->data, /*training=*/false);
@@ -48,105 +180,12 @@ Subcommand add_eval(CLI::App& root) {
   return {app, [f, app]() {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             if (f->threads > 0) set_threads(f->threads);
-            const auto precision = parse_precision(f->precision);
-            // Either network: a CapsNet, or matrix capsules with EM routing (capsnet em).
-            const bool matrix = train::stored_model(f->checkpoint) == train::kMatrixCapsNetModel;
-            models::CapsNet capsnet{nullptr};
-            models::MatrixCapsNet matrix_caps{nullptr};
-            int64_t image_size = 0, image_channels = 0;
-            if (matrix) {
-              matrix_caps = train::load_matrix_model(f->checkpoint);
-              matrix_caps->set_precision(precision);
-              image_size = matrix_caps->config.image_size;
-              image_channels = matrix_caps->config.image_channels;
-            } else {
-              capsnet = train::load_model(f->checkpoint);
-              capsnet->set_precision(precision);
-              image_size = capsnet->config.image_size;
-              image_channels = capsnet->config.image_channels;
-            }
+            const auto model = load_scored_model(f->checkpoint, parse_precision(f->precision));
             const auto spec = train::read_input_spec(f->checkpoint);
-            data::ImageSet set;
-            if (!f->images.empty()) {
-              if (image_channels != 1)
-                throw std::invalid_argument(fmt::format("{}: IDX images have 1 channel, but the model takes {}",
-                                                        f->images, image_channels));
-              // Any labelled set whose side matches the model, e.g. a generated 40x40 test set.
-              set = data::take(data::load_idx_set(f->images, f->labels), f->limit);
-              if (set.images.size(1) != image_size)
-                throw std::invalid_argument(fmt::format("{}: images are {}x{}, but the model {} takes {}x{}", f->images,
-                                                        set.images.size(1), set.images.size(2), f->checkpoint,
-                                                        image_size, image_size));
-              const auto classes = static_cast<int64_t>(spec.class_names.size());
-              if (set.size() > 0 && set.labels.max().item<int64_t>() >= classes)
-                throw std::invalid_argument(fmt::format("{}: label {} is not a class of the model ({} classes)",
-                                                        f->labels, set.labels.max().item<int64_t>(), classes));
-            } else if (f->data.is_folder()) {
-              if (matrix)
-                throw std::invalid_argument(fmt::format(
-                    "{}: matrix-capsule models are evaluated on IDX data (--dataset mnist or fashion-mnist)",
-                    f->checkpoint));
-              // The model's input side, and unless given the fit and split it was trained with.
-              auto& d = f->data;
-              d.folder.image_size = image_size;
-              if (!app->count("--image-fit")) d.fit = spec.image_fit;
-              if (!app->count("--test-fraction")) d.folder.test_fraction = spec.test_fraction;
-              if (!app->count("--split-seed")) d.folder.split_seed = spec.split_seed;
-              auto loaded = load_labelled_data(d, f->split == "train", f->split == "test", f->limit, f->limit,
-                                               f->json ? std::cerr : std::cout);
-              if (loaded.channels != image_channels)
-                throw std::invalid_argument(fmt::format("{}: images with {} channel(s), but the model takes {}",
-                                                        d.dir, loaded.channels, image_channels));
-              if (loaded.class_names != spec.class_names)
-                throw std::invalid_argument(fmt::format(
-                    "{}: classes ({}) differ from the model's ({})", d.dir, fmt::join(loaded.class_names, ", "),
-                    fmt::join(spec.class_names, ", ")));
-              set = f->split == "train" ? *loaded.train : *loaded.test;
-              if (set.size() == 0) throw std::invalid_argument(fmt::format("{}: the {} split is empty", d.dir, f->split));
-            } else {
-              auto split = f->split == "train" ? data::Split::kTrain : data::Split::kTest;
-              set = data::take(data::load_mnist(f->data.resolved(), split), f->limit);
-            }
-            const std::string split_name = f->images.empty() ? f->split : f->images;
+            const auto set = eval_set(*f, *app, model, spec);
             std::ostream* progress = f->no_progress || f->json ? nullptr : &std::cerr;
-            train::EvalResult r;
-            if (matrix) {
-              auto e = experiments::evaluate_em(matrix_caps, set, /*count=*/0, f->batch_size, experiments::kFinalSpreadMargin,
-                                          progress);
-              r.examples = e.examples;
-              r.accuracy = e.accuracy;
-              r.loss = e.loss;
-              r.confusion = e.confusion;
-            } else {
-              r = train::evaluate(capsnet, set, f->batch_size, progress);
-            }
-            const char* model_kind = matrix ? train::kMatrixCapsNetModel : train::kCapsNetModel;
-            if (f->json) {
-              nlohmann::json j = {{"checkpoint", f->checkpoint}, {"model", model_kind}, {"split", split_name},
-                                  {"examples", r.examples},
-                                  {"accuracy", r.accuracy},       {"error", 1 - r.accuracy}, {"loss", r.loss},
-                                  {"classes", spec.class_names}};
-              auto c = r.confusion.accessor<int64_t, 2>();
-              for (int64_t i = 0; i < r.confusion.size(0); ++i) {
-                std::vector<int64_t> row(c[i].data(), c[i].data() + r.confusion.size(1));
-                j["confusion"].push_back(row);
-              }
-              std::cout << train::dump_json(j) << '\n';
-            } else {
-              std::cout << fmt::format("{} accuracy: {:.2f}% (error {:.2f}%, {} of {} wrong), {}loss {:.4f}\n", split_name,
-                                       100 * r.accuracy, 100 * (1 - r.accuracy),
-                                       r.examples - r.confusion.diag().sum().item<int64_t>(), r.examples,
-                                       matrix ? "spread " : "", r.loss);
-              std::cout << train::format_confusion(r.confusion);
-              bool numbered = true;  // names "0".."K-1" need no legend
-              for (size_t k = 0; k < spec.class_names.size(); ++k) numbered &= spec.class_names[k] == std::to_string(k);
-              if (!numbered) {
-                std::vector<std::string> legend;
-                for (size_t k = 0; k < spec.class_names.size(); ++k)
-                  legend.push_back(fmt::format("{} = {}", k, spec.class_names[k]));
-                std::cout << fmt::format("classes: {}\n", fmt::join(legend, ", "));
-              }
-            }
+            const auto r = model.evaluate(set, f->batch_size, progress);
+            print_eval(*f, model, spec, f->images.empty() ? f->split : f->images, r);
             return 0;
           }};
 }

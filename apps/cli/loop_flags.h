@@ -9,6 +9,8 @@
 #include <memory>
 #include <string>
 
+#include "apps/cli/commands.h"
+
 namespace capsnet::train {
 class ProcessGroup;
 }
@@ -22,6 +24,18 @@ struct LoopFlags {
   int threads = 0;
   int nproc = 1;              // data-parallel processes started by this command (docs/distributed.md)
   double dist_timeout = 300;  // seconds a rank waits for its peers
+};
+
+/// What the image-to-image experiments (capsnet segcaps, capsnet capspix2pix) share beyond the loop's flags;
+/// each registers them with its own help text.
+struct ImageExperimentFlags {
+  std::string precision;  // --precision, parsed into the loop options
+  uint64_t test_seed = 1001;
+  int64_t figure_rows = 8;
+  double max_minutes = 0;
+  bool composite_routing = false;
+  DataFlags data;
+  LoopFlags loop;
 };
 
 /// Registers --resume, --overwrite, --no-progress, --threads, --nproc and --dist-timeout.

@@ -41,18 +41,11 @@ std::optional<double> parse_pos_weight(const std::string& text) {
   return v;
 }
 
-struct SegCapsFlags {
+struct SegCapsFlags : ImageExperimentFlags {
   experiments::SegCapsTrainOptions o;
-  std::string precision;  // --precision, parsed into o.loop.precision
   data::DigitSegmentationOptions d;
-  DataFlags data;
-  uint64_t test_seed = 1001;
-  int64_t figure_rows = 8;
-  double max_minutes = 0;
-  bool composite_routing = false;
   std::string pos_weight = "auto";  // auto | a number > 0 (1 = unweighted BCE)
   double recon_weight = 0.131;      // the paper's; 0 = no reconstruction branch
-  LoopFlags loop;
 };
 
 // --out, the optimizer, seeds and the test set.

@@ -88,13 +88,14 @@ ImageSet load_idx_set(const std::string& images_path, const std::string& labels_
   if (set.labels.size(0) != set.images.size(0))
     throw IdxError(fmt::format("{}: {} labels but {} has {} images", labels_path, set.labels.size(0),
                                images_path, set.images.size(0)));
-  const auto bad = (set.labels.to(torch::kLong) >= kClasses).logical_or(set.labels.to(torch::kLong) < 0).nonzero();
+  const auto labels = set.labels.to(torch::kLong);
+  const auto bad = (labels >= kClasses).logical_or(labels < 0).nonzero();
   if (bad.size(0) > 0) {
     const int64_t i = bad[0][0].item<int64_t>();
     throw IdxError(fmt::format("{}: label {} at index {} is out of range [0, 9]", labels_path,
                                set.labels[i].item<int64_t>(), i));
   }
-  set.labels = set.labels.to(torch::kLong);
+  set.labels = labels;
   return set;
 }
 

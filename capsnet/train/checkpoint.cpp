@@ -390,9 +390,12 @@ InputSpec read_input_spec(const std::string& path) {
 }
 
 std::string checkpoint_model(const CheckpointMeta& meta) {
-  // `capsnet em` writes "task": "em" into its options.
+  // `capsnet em` writes "task": "em" into its options; the baseline CNN (capsnet affine / stn) is the one
+  // model whose config has fully connected hidden layers.
   const bool em = meta.train_options.is_object() && meta.train_options.value("task", std::string()) == "em";
-  return em ? kMatrixCapsNetModel : kCapsNetModel;
+  if (em) return kMatrixCapsNetModel;
+  if (meta.model_config.is_object() && meta.model_config.contains("fc1_units")) return kBaselineCnnModel;
+  return kCapsNetModel;
 }
 
 std::string stored_model(const std::string& path) {
@@ -400,14 +403,24 @@ std::string stored_model(const std::string& path) {
   return checkpoint_model(read_checkpoint_meta(path));
 }
 
+namespace {
+
+// The meta of a checkpoint holding the `wanted` network; CheckpointError saying what it holds otherwise.
+CheckpointMeta meta_of_kind(const std::string& path, const char* wanted) {
+  auto meta = read_checkpoint_meta(path);
+  if (const auto kind = checkpoint_model(meta); kind != wanted)
+    throw CheckpointError(fmt::format("checkpoint {}: holds {}, not {}; eval, export and predict take it, this "
+                                      "command does not",
+                                      path, describe_model_kind(kind), describe_model_kind(wanted)));
+  return meta;
+}
+
+}  // namespace
+
 models::CapsNet load_model(const std::string& path) {
   // A shipped / exported weight file (weights and config only) serves wherever a model is needed.
   if (auto weights = try_read_weights(path)) return model_from_weights(*weights, path);
-  auto meta = read_checkpoint_meta(path);
-  if (checkpoint_model(meta) != kCapsNetModel)
-    throw CheckpointError(fmt::format("checkpoint {}: holds matrix capsules with EM routing (capsnet em), not a "
-                                      "CapsNet; eval, export and predict take it, this command does not",
-                                      path));
+  const auto meta = meta_of_kind(path, kCapsNetModel);
   const auto config =
       parse_config<models::CapsNetConfig, CheckpointError>(meta.model_config, fmt::format("checkpoint {}", path));
   models::CapsNet model(config);
@@ -418,15 +431,26 @@ models::CapsNet load_model(const std::string& path) {
 
 models::MatrixCapsNet load_matrix_model(const std::string& path) {
   if (auto weights = try_read_weights(path)) return matrix_model_from_weights(*weights, path);
-  auto meta = read_checkpoint_meta(path);
-  if (checkpoint_model(meta) != kMatrixCapsNetModel)
-    throw CheckpointError(fmt::format("checkpoint {}: holds a CapsNet, not matrix capsules (capsnet em)", path));
+  const auto meta = meta_of_kind(path, kMatrixCapsNetModel);
   const auto config =
       parse_config<models::MatrixCapsNetConfig, CheckpointError>(meta.model_config, fmt::format("checkpoint {}", path));
   models::MatrixCapsNet model(config);
   // Through from_json, as a resume compares them: a config without the newer routing keys means the earlier routing.
   load_checkpoint(path, *model, nullptr, [&](const nlohmann::json& saved) {
     return models::MatrixCapsNetConfig::from_json(saved).to_json() == config.to_json();
+  });
+  model->eval();
+  return model;
+}
+
+models::BaselineCnn load_baseline_cnn(const std::string& path) {
+  if (auto weights = try_read_weights(path)) return baseline_cnn_from_weights(*weights, path);
+  const auto meta = meta_of_kind(path, kBaselineCnnModel);
+  const auto config =
+      parse_config<models::BaselineCnnConfig, CheckpointError>(meta.model_config, fmt::format("checkpoint {}", path));
+  models::BaselineCnn model(config);
+  load_checkpoint(path, *model, nullptr, [&](const nlohmann::json& saved) {
+    return models::BaselineCnnConfig::from_json(saved).to_json() == config.to_json();
   });
   model->eval();
   return model;

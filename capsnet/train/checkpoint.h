@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "capsnet/models/baseline_cnn.h"
 #include "capsnet/models/capsnet.h"
 #include "capsnet/models/matrix_capsnet.h"
 
@@ -79,12 +80,14 @@ InputSpec read_input_spec(const std::string& path);
 
 /// Builds the model described by the checkpoint and loads its weights (for eval / predict).
 /// Also accepts a weight file written by save_weights (export.h), e.g. the shipped model.
-/// A checkpoint of `capsnet em` or a matrix-capsnet weight file: CheckpointError saying which commands take it.
+/// A file holding another network (capsnet em's matrix capsules, the baseline CNN): CheckpointError / ExportError
+/// saying which commands take it.
 models::CapsNet load_model(const std::string& path);
 
-/// Which network a checkpoint or weight file holds: "capsnet" or "matrix-capsnet" (export.h's kCapsNetModel,
-/// kMatrixCapsNetModel). A checkpoint's is its training task ("em" -> matrix-capsnet); CheckpointError /
-/// ExportError for a file that is neither.
+/// Which network a checkpoint or weight file holds: "capsnet", "matrix-capsnet" or "baseline-cnn" (export.h's
+/// kCapsNetModel, kMatrixCapsNetModel, kBaselineCnnModel). A checkpoint's is its training task ("em" ->
+/// matrix-capsnet) or its model config (a BaselineCnnConfig -> baseline-cnn); CheckpointError / ExportError
+/// for a file that is neither checkpoint nor weight file.
 std::string stored_model(const std::string& path);
 /// The same for a checkpoint whose meta was already read.
 std::string checkpoint_model(const CheckpointMeta& meta);
@@ -92,5 +95,9 @@ std::string checkpoint_model(const CheckpointMeta& meta);
 /// The matrix-capsule network (EM routing) of a `capsnet em` checkpoint or a matrix-capsnet weight file,
 /// weights loaded, eval mode, fp32. CheckpointError / ExportError naming the file otherwise.
 models::MatrixCapsNet load_matrix_model(const std::string& path);
+
+/// The baseline CNN (with its spatial transformer, if any) of a `capsnet affine` / `capsnet stn` checkpoint
+/// or a baseline-cnn weight file, weights loaded, eval mode, fp32. CheckpointError / ExportError otherwise.
+models::BaselineCnn load_baseline_cnn(const std::string& path);
 
 }  // namespace capsnet::train

@@ -2,18 +2,25 @@
 
 #include <fmt/format.h>
 
+#include <functional>
+#include <utility>
+
 #include "capsnet/data/transforms.h"
 #include "capsnet/train/metrics.h"
 
 namespace capsnet::train {
 
-EvalResult evaluate(models::CapsNet& model, const data::ImageSet& set, int64_t batch_size,
-                    std::ostream* progress) {
+namespace {
+
+// One batch's predictions [len] and its loss summed over the batch.
+using BatchScorer = std::function<std::pair<torch::Tensor, double>(const torch::Tensor& images,
+                                                                   const torch::Tensor& labels)>;
+
+// The batched loop of evaluate for a model of K classes (eval mode and no gradients set by the caller).
+EvalResult evaluate_batches(const data::ImageSet& set, int64_t K, int64_t batch_size, std::ostream* progress,
+                            const BatchScorer& score) {
   TORCH_CHECK(batch_size > 0, "evaluate: batch size must be positive, got ", batch_size);
-  torch::NoGradGuard no_grad;
-  const bool was_training = model->is_training();
-  model->eval();
-  const int64_t n = set.size(), K = model->config.num_classes;
+  const int64_t n = set.size();
   EvalResult r;
   r.examples = n;
   r.confusion = torch::zeros({K, K}, torch::kLong);
@@ -30,19 +37,56 @@ EvalResult evaluate(models::CapsNet& model, const data::ImageSet& set, int64_t b
   ProgressBar bar(progress ? *progress : std::cerr, "eval", n, progress != nullptr);
   for (int64_t start = 0; start < n; start += batch_size) {
     const int64_t len = std::min(batch_size, n - start);
-    auto images = data::to_float(set.images.narrow(0, start, len));
-    auto labels = set.labels.narrow(0, start, len);
-    auto out = model(images);  // decoder sees the predicted capsule, as at inference
-    auto pred = out.lengths.argmax(1);
+    auto images = data::to_float(set.images.narrow(0, start, len));  // [len, C, S, S]
+    auto labels = set.labels.narrow(0, start, len);                  // [len]
+    auto [pred, loss] = score(images, labels);
     r.confusion.index_put_({labels, pred}, torch::ones({len}, torch::kLong), /*accumulate=*/true);
-    loss_sum += model->loss(out, images, labels).total.item<double>() * static_cast<double>(len);
+    loss_sum += loss;
     bar.update(start + len, "");
   }
   r.accuracy = n ? static_cast<double>(r.confusion.diag().sum().item<int64_t>()) / static_cast<double>(n) : 0.0;
   r.loss = n ? loss_sum / static_cast<double>(n) : 0.0;
   bar.finish(fmt::format("accuracy {:.2f}%", 100 * r.accuracy));
-  if (was_training) model->train();
   return r;
+}
+
+// Runs `body` with `model` in eval mode and no gradients, restoring its mode afterwards.
+template <class F>
+EvalResult in_eval_mode(torch::nn::Module& model, F&& body) {
+  torch::NoGradGuard no_grad;
+  const bool was_training = model.is_training();
+  model.eval();
+  auto r = body();
+  if (was_training) model.train();
+  return r;
+}
+
+}  // namespace
+
+EvalResult evaluate(models::CapsNet& model, const data::ImageSet& set, int64_t batch_size,
+                    std::ostream* progress) {
+  return in_eval_mode(*model, [&] {
+    return evaluate_batches(set, model->config.num_classes, batch_size, progress,
+                            [&](const torch::Tensor& images, const torch::Tensor& labels) {
+                              auto out = model(images);  // decoder sees the predicted capsule, as at inference
+                              const double len = static_cast<double>(images.size(0));
+                              return std::make_pair(out.lengths.argmax(1),
+                                                    model->loss(out, images, labels).total.item<double>() * len);
+                            });
+  });
+}
+
+EvalResult evaluate(models::BaselineCnn& model, const data::ImageSet& set, int64_t batch_size,
+                    std::ostream* progress) {
+  return in_eval_mode(*model, [&] {
+    return evaluate_batches(set, model->config.num_classes, batch_size, progress,
+                            [&](const torch::Tensor& images, const torch::Tensor& labels) {
+                              auto logits = model(images);  // [len, K]
+                              const double len = static_cast<double>(images.size(0));
+                              return std::make_pair(logits.argmax(1),
+                                                    model->loss(logits, labels).item<double>() * len);
+                            });
+  });
 }
 
 std::string format_confusion(const torch::Tensor& confusion) {

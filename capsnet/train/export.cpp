@@ -229,11 +229,24 @@ c10::impl::GenericDict export_dict(models::MatrixCapsNet& model, int64_t step, c
                       });
 }
 
+c10::impl::GenericDict export_dict(models::BaselineCnn& model, int64_t step, const ExportOptions& options) {
+  const auto& c = model->config;
+  return weights_dict(*model, kBaselineCnnModel, c.to_json(), c.image_channels, c.image_size, step, options,
+                      [&](const torch::Tensor& images) {
+                        return std::map<std::string, torch::Tensor>{{"logits", model(images)}};
+                      });
+}
+
 int64_t save_weights(const std::string& path, models::CapsNet& model, int64_t step, const ExportOptions& options) {
   return write_weights(path, export_dict(model, step, options));
 }
 
 int64_t save_weights(const std::string& path, models::MatrixCapsNet& model, int64_t step,
+                     const ExportOptions& options) {
+  return write_weights(path, export_dict(model, step, options));
+}
+
+int64_t save_weights(const std::string& path, models::BaselineCnn& model, int64_t step,
                      const ExportOptions& options) {
   return write_weights(path, export_dict(model, step, options));
 }
@@ -276,6 +289,8 @@ ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::s
   };
   if (kind == kMatrixCapsNetModel)
     write(weights_in ? matrix_model_from_weights(*weights_in, checkpoint_path) : load_matrix_model(checkpoint_path));
+  else if (kind == kBaselineCnnModel)
+    write(weights_in ? baseline_cnn_from_weights(*weights_in, checkpoint_path) : load_baseline_cnn(checkpoint_path));
   else
     write(weights_in ? model_from_weights(*weights_in, checkpoint_path) : load_model(checkpoint_path));
   return s;
@@ -330,9 +345,10 @@ ExportedWeights read_weights(const std::string& path) {
   ExportedWeights w;
   if (d.contains(c10::IValue(std::string("model")))) {  // absent in files written before it: a CapsNet
     const auto model = get("model");
-    if (!model.isString() || (model.toStringRef() != kCapsNetModel && model.toStringRef() != kMatrixCapsNetModel))
-      throw ExportError(fmt::format("weights {}: unknown model (expected '{}' or '{}')", path, kCapsNetModel,
-                                    kMatrixCapsNetModel));
+    if (!model.isString() || (model.toStringRef() != kCapsNetModel && model.toStringRef() != kMatrixCapsNetModel &&
+                              model.toStringRef() != kBaselineCnnModel))
+      throw ExportError(fmt::format("weights {}: unknown model (expected '{}', '{}' or '{}')", path, kCapsNetModel,
+                                    kMatrixCapsNetModel, kBaselineCnnModel));
     w.model = model.toStringRef();
   }
   auto config = get("config");
@@ -406,11 +422,26 @@ void copy_state_in(const ExportedWeights& w, const std::string& path, torch::nn:
 
 }  // namespace
 
+std::string describe_model_kind(const std::string& kind) {
+  if (kind == kMatrixCapsNetModel) return "matrix capsules with EM routing (capsnet em)";
+  if (kind == kBaselineCnnModel) return "the baseline CNN";
+  return "a CapsNet";
+}
+
+namespace {
+
+// ExportError when the file holds another network than `wanted`.
+void expect_kind(const ExportedWeights& w, const std::string& path, const char* wanted) {
+  if (w.model != wanted)
+    throw ExportError(fmt::format("weights {}: holds {}, not {}; eval, export and predict take it, this command "
+                                  "does not",
+                                  path, describe_model_kind(w.model), describe_model_kind(wanted)));
+}
+
+}  // namespace
+
 models::CapsNet model_from_weights(const ExportedWeights& w, const std::string& path) {
-  if (w.model != kCapsNetModel)
-    throw ExportError(fmt::format("weights {}: holds matrix capsules with EM routing ({}), not a CapsNet; eval, "
-                                  "export and predict take it, this command does not",
-                                  path, w.model));
+  expect_kind(w, path, kCapsNetModel);
   const auto config = parse_config<models::CapsNetConfig, ExportError>(w.config, fmt::format("weights {}", path));
   models::CapsNet model(config);
   copy_state_in(w, path, *model);
@@ -418,10 +449,17 @@ models::CapsNet model_from_weights(const ExportedWeights& w, const std::string& 
 }
 
 models::MatrixCapsNet matrix_model_from_weights(const ExportedWeights& w, const std::string& path) {
-  if (w.model != kMatrixCapsNetModel)
-    throw ExportError(fmt::format("weights {}: holds a CapsNet, not matrix capsules ({})", path, kMatrixCapsNetModel));
+  expect_kind(w, path, kMatrixCapsNetModel);
   const auto config = parse_config<models::MatrixCapsNetConfig, ExportError>(w.config, fmt::format("weights {}", path));
   models::MatrixCapsNet model(config);
+  copy_state_in(w, path, *model);
+  return model;
+}
+
+models::BaselineCnn baseline_cnn_from_weights(const ExportedWeights& w, const std::string& path) {
+  expect_kind(w, path, kBaselineCnnModel);
+  const auto config = parse_config<models::BaselineCnnConfig, ExportError>(w.config, fmt::format("weights {}", path));
+  models::BaselineCnn model(config);
   copy_state_in(w, path, *model);
   return model;
 }

@@ -5,8 +5,8 @@
 // File layout (a dict; torch.load gives a Python dict with the same keys):
 //   "format"     "capsnet-weights"
 //   "version"    1
-//   "model"      "capsnet" (CapsNetConfig) or "matrix-capsnet" (MatrixCapsNetConfig, EM routing); files
-//                written before the key hold a CapsNet
+//   "model"      "capsnet" (CapsNetConfig), "matrix-capsnet" (MatrixCapsNetConfig, EM routing) or
+//                "baseline-cnn" (BaselineCnnConfig); files written before the key hold a CapsNet
 //   "config"     the model's config to_json() as a JSON string
 //   "step"       optimizer steps of the checkpoint
 //   "state_dict" {name -> tensor}: every parameter and buffer, names as named_parameters()
@@ -16,7 +16,8 @@
 //   "probe"      (only with ExportOptions::probe > 0) C++ reference outputs for checking a port:
 //                CapsNet: {"images" [N, C, H, W] in [0, 1), "digit_caps" [N, K, D], "lengths" [N, K],
 //                 "reconstruction" [N, C*H*W] (decoder of the longest capsule; absent without a decoder)};
-//                matrix-capsnet: {"images", "poses" [N, K, 16], "activations" [N, K]}
+//                matrix-capsnet: {"images", "poses" [N, K, 16], "activations" [N, K]};
+//                baseline-cnn: {"images", "logits" [N, K]}
 //   "crc32"      (written by save_weights) CRC-32 of every other entry in a canonical order (sorted keys;
 //                strings, integers, and each tensor's name, dtype, shape and bytes), checked by read_weights.
 //                Files without it (written before it, e.g. the shipped model) load unchecked; an entry
@@ -30,6 +31,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "capsnet/models/baseline_cnn.h"
 #include "capsnet/models/capsnet.h"
 #include "capsnet/models/matrix_capsnet.h"
 
@@ -46,6 +48,7 @@ inline constexpr int64_t kWeightsVersion = 1;
 /// The "model" entry: which network the config and state dict describe.
 inline constexpr const char* kCapsNetModel = "capsnet";
 inline constexpr const char* kMatrixCapsNetModel = "matrix-capsnet";
+inline constexpr const char* kBaselineCnnModel = "baseline-cnn";
 
 /// Storage type of the exported tensors. fp16 / bf16 halve the file; the model computes in fp32
 /// after loading (the stored values are exactly what every loader sees).
@@ -70,12 +73,15 @@ struct ExportOptions {
 /// The exported dict for `model` (see the layout above). Throws std::invalid_argument for probe < 0.
 c10::impl::GenericDict export_dict(models::CapsNet& model, int64_t step, const ExportOptions& options);
 c10::impl::GenericDict export_dict(models::MatrixCapsNet& model, int64_t step, const ExportOptions& options);
+c10::impl::GenericDict export_dict(models::BaselineCnn& model, int64_t step, const ExportOptions& options);
 
 /// Writes export_dict(model, step, options) plus its "crc32" to `path` atomically (write_file_atomically in
 /// checkpoint.h: temp file, fsync, rename; orphaned temp files of dead writers removed; parent directories
 /// created). Returns the number of bytes written; ExportError naming the file when the write fails.
 int64_t save_weights(const std::string& path, models::CapsNet& model, int64_t step, const ExportOptions& options = {});
 int64_t save_weights(const std::string& path, models::MatrixCapsNet& model, int64_t step,
+                     const ExportOptions& options = {});
+int64_t save_weights(const std::string& path, models::BaselineCnn& model, int64_t step,
                      const ExportOptions& options = {});
 
 struct ExportSummary {
@@ -85,15 +91,16 @@ struct ExportSummary {
   int64_t bytes = 0;       // size of the written file
 };
 
-/// Loads the checkpoint (CheckpointError when missing or broken) and exports it to `out_path`: a CapsNet
-/// or, for a checkpoint of `capsnet em` (or a matrix-capsnet weight file), the matrix-capsule network.
+/// Loads the checkpoint (CheckpointError when missing or broken) and exports it to `out_path`: a CapsNet,
+/// the matrix-capsule network of a `capsnet em` checkpoint, or the baseline CNN (of `capsnet affine` / `stn`),
+/// whichever the file holds (stored_model in checkpoint.h).
 /// Throws std::invalid_argument when `out_path` is the checkpoint itself or an existing directory.
 ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::string& out_path,
                                 const ExportOptions& options = {});
 
 /// A weight file read back in C++ (tests, tools).
 struct ExportedWeights {
-  std::string model = kCapsNetModel;  // kCapsNetModel or kMatrixCapsNetModel
+  std::string model = kCapsNetModel;  // kCapsNetModel, kMatrixCapsNetModel or kBaselineCnnModel
   nlohmann::json config;
   int64_t step = 0;
   std::map<std::string, torch::Tensor> state_dict;
@@ -112,6 +119,11 @@ bool is_weights_file(const std::string& path);
 /// the file holds the other kind of network (the message says which commands take it).
 models::CapsNet model_from_weights(const ExportedWeights& weights, const std::string& path);
 models::MatrixCapsNet matrix_model_from_weights(const ExportedWeights& weights, const std::string& path);
+models::BaselineCnn baseline_cnn_from_weights(const ExportedWeights& weights, const std::string& path);
+
+/// What a "model" entry holds, in words for messages: "a CapsNet", "matrix capsules with EM routing
+/// (capsnet em)", "the baseline CNN".
+std::string describe_model_kind(const std::string& kind);
 
 /// Builds the model described by a weight file and copies its tensors in (converted to fp32; every
 /// name and shape must match). Eval mode. ExportError naming the file otherwise.

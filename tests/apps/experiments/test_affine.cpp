@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -585,6 +586,69 @@ TEST(AffineCliTest, EvalScoresAFortyPixelModelOnAnyIdxSetOfItsSide) {
     r = testing::run_command(base + args);
     EXPECT_NE(r.status, 0) << args;
     EXPECT_NE(r.output.find(needle), std::string::npos) << args << ": " << r.output;
+  }
+}
+
+// The baseline CNN of a comparison is a model like the others: eval scores its checkpoint and its fp16
+// export on an IDX set (the accuracy its logits give), predict writes softmax probabilities whose
+// argmax is the class, and what a CNN cannot do (poses; a 40x40 model on 28x28 MNIST) is refused in one line.
+TEST(AffineCliTest, TheBaselineCnnIsEvaluatedExportedAndPredictedLikeAnyModel) {
+  testing::TempDir dir;
+  const std::string data_dir = dir / "mnist", out = dir / "run";
+  write_mnist_dir(data_dir, digit_like_set(8, 81), digit_like_set(4, 82));
+  const std::string cli = CAPSNET_CLI;
+  auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
+                                " --model cnn --steps 1 --batch-size 2 --no-robustness --no-progress --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string ckpt = out + "/cnn/checkpoint.pt", weights = dir / "cnn.pt";
+  const auto set = data::affine_test_set(digit_like_set(6, 83), 7, 40);  // 6 images of 40x40
+  const std::string images = dir / "x40-images", labels = dir / "x40-labels";
+  data::write_idx(images, set.images);
+  data::write_idx(labels, set.labels.to(torch::kUInt8));
+  r = testing::run_command(cli + " export --checkpoint " + ckpt + " --storage fp16 --probe 2 --out " + weights);
+  ASSERT_EQ(r.status, 0) << r.output;
+
+  torch::NoGradGuard no_grad;
+  for (const auto& file : {ckpt, weights}) {
+    r = testing::run_command(cli + " eval --checkpoint " + file + " --images " + images + " --labels " + labels +
+                             " --json --threads 1");
+    ASSERT_EQ(r.status, 0) << r.output;
+    const auto j = nlohmann::json::parse(r.output.substr(r.output.find('{')));
+    EXPECT_EQ(j["model"], "baseline-cnn");
+    EXPECT_EQ(j["examples"], 6);
+    auto model = train::load_baseline_cnn(file);
+    auto logits = model(data::to_float(set.images));
+    EXPECT_DOUBLE_EQ(j["accuracy"].get<double>(),
+                     logits.argmax(1).eq(set.labels).to(torch::kDouble).mean().item<double>());
+    EXPECT_NEAR(j["loss"].get<double>(), torch::nn::functional::cross_entropy(logits, set.labels).item<double>(),
+                1e-5);
+  }
+
+  r = testing::run_command(cli + " predict " + images + " --checkpoint " + weights + " --format jsonl --limit 0");
+  ASSERT_EQ(r.status, 0) << r.output;
+  auto model = train::load_baseline_cnn(weights);
+  const auto probabilities = torch::softmax(model(data::to_float(set.images)), 1);  // [6, 10]
+  std::istringstream lines(r.output);
+  int64_t row = 0;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty() || line[0] != '{') continue;
+    const auto j = nlohmann::json::parse(line);
+    ASSERT_LT(row, 6);
+    const auto p = j["probabilities"].get<std::vector<double>>();
+    ASSERT_EQ(p.size(), 10u);
+    for (int64_t k = 0; k < 10; ++k) EXPECT_NEAR(p[k], probabilities[row][k].item<double>(), 1e-5) << row;
+    EXPECT_EQ(j["prediction"], probabilities[row].argmax().item<int64_t>());
+    EXPECT_NEAR(j["probability"].get<double>(), probabilities[row].max().item<double>(), 1e-5);
+    ++row;
+  }
+  EXPECT_EQ(row, 6);
+
+  for (const auto& [command, needle] : std::vector<std::pair<std::string, std::string>>{
+           {" predict " + images + " --pose --checkpoint " + weights, "no capsule poses"},
+           {" eval --data " + data_dir + " --checkpoint " + weights, "takes 40x40 images, but --dataset is 28x28"}}) {
+    r = testing::run_command(cli + command);
+    EXPECT_NE(r.status, 0) << command;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << command << ": " << r.output;
   }
 }
 

@@ -1,6 +1,6 @@
 // capsnet export: the weight file read back with torch::pickle_load equals the model (round trip),
 // the probe holds the model's own outputs, the CLI end to end on a tiny checkpoint, and the errors;
-// the same for matrix capsules (EM routing), and each loader refusing the other network.
+// the same for matrix capsules (EM routing) and the baseline CNN, and each loader refusing the others.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -9,7 +9,9 @@
 #include <functional>
 #include <set>
 
+#include "capsnet/data/transforms.h"
 #include "capsnet/train/checkpoint.h"
+#include "capsnet/train/evaluate.h"
 #include "capsnet/train/export.h"
 #include "test_helpers.h"
 #include "tiny_configs.h"
@@ -200,6 +202,63 @@ TEST(Export, MatrixCapsNetRoundTripProbeAndLoaders) {
     f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   }
   EXPECT_NE(error_message([&] { train::read_weights(dir / "unknown.pt"); }).find("unknown model"), std::string::npos);
+}
+
+// The baseline CNN (capsnet affine / stn) exports like the capsule networks: fp16 round trip, a probe of its
+// logits, detection in checkpoints (by its config), the export of a checkpoint, evaluate() equal to the
+// logits' argmax and cross-entropy, and every other loader refusing it by name.
+TEST(Export, BaselineCnnRoundTripProbeLoadersAndEvaluate) {
+  TempDir dir;
+  torch::manual_seed(9);
+  auto config = testing::tiny_cnn_config(12);
+  config.stn = true;  // the transformer's weights travel too
+  models::BaselineCnn model(config);
+  const std::string ckpt = dir / "cnn_ckpt.pt";
+  train::save_checkpoint(ckpt, *model, nullptr, {7, model->config.to_json(), {{"task", "st-cnn"}}});
+  EXPECT_EQ(train::stored_model(ckpt), train::kBaselineCnnModel);
+  auto from_ckpt = train::load_baseline_cnn(ckpt);
+  EXPECT_FALSE(from_ckpt->is_training());
+  const auto params = model->named_parameters();
+  for (const auto& p : from_ckpt->named_parameters())
+    EXPECT_TRUE(torch::equal(p.value(), params[p.key()])) << p.key();
+  EXPECT_NE(error_message([&] { train::load_model(ckpt); }).find("holds the baseline CNN, not a CapsNet"),
+            std::string::npos);
+  EXPECT_NE(error_message([&] { train::load_matrix_model(ckpt); }).find("baseline CNN"), std::string::npos);
+
+  train::ExportOptions o;
+  o.probe = 3;
+  o.storage = train::WeightStorage::kFloat16;
+  const auto summary = train::export_checkpoint(ckpt, dir / "cnn.pt", o);
+  EXPECT_EQ(summary.step, 7);
+  EXPECT_EQ(summary.parameters, config.num_parameters());
+  auto w = train::read_weights(dir / "cnn.pt");
+  EXPECT_EQ(w.model, train::kBaselineCnnModel);
+  EXPECT_EQ(w.config, config.to_json());
+  ASSERT_EQ(w.probe.count("logits"), 1u);
+  EXPECT_EQ(w.probe.at("logits").sizes(), (std::vector<int64_t>{3, 10}));
+  auto loaded = train::load_baseline_cnn(dir / "cnn.pt");
+  for (const auto& p : loaded->named_parameters()) {  // the fp16-rounded weights, exactly
+    EXPECT_EQ(w.state_dict.at(p.key()).dtype(), torch::kFloat16) << p.key();
+    EXPECT_TRUE(torch::equal(p.value(), params[p.key()].to(torch::kFloat16).to(torch::kFloat))) << p.key();
+  }
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(torch::allclose(loaded(w.probe.at("images")), w.probe.at("logits"), 1e-5, 1e-6));
+  EXPECT_NE(error_message([&] { train::load_model(dir / "cnn.pt"); }).find("holds the baseline CNN"),
+            std::string::npos);
+
+  // evaluate(): accuracy, confusion and mean cross-entropy of the logits, over uneven batches.
+  data::ImageSet set;
+  set.images = torch::randint(0, 256, {7, 12, 12}, torch::kUInt8);
+  set.labels = torch::randint(0, 10, {7}, torch::kLong);
+  const auto r = train::evaluate(loaded, set, /*batch_size=*/3);
+  auto logits = loaded(data::to_float(set.images));
+  const auto pred = logits.argmax(1);
+  EXPECT_EQ(r.examples, 7);
+  EXPECT_DOUBLE_EQ(r.accuracy, pred.eq(set.labels).to(torch::kDouble).mean().item<double>());
+  EXPECT_NEAR(r.loss, torch::nn::functional::cross_entropy(logits, set.labels).item<double>(), 1e-6);
+  EXPECT_EQ(r.confusion.sum().item<int64_t>(), 7);
+  for (int64_t i = 0; i < 7; ++i)
+    EXPECT_GE(r.confusion[set.labels[i].item<int64_t>()][pred[i].item<int64_t>()].item<int64_t>(), 1);
 }
 
 TEST(Export, ErrorsNameTheBadArgument) {
