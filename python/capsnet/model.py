@@ -179,7 +179,8 @@ def load(weights_path, fused=True, ops_library=None):
     d = read_weights(weights_path)
     kind = d.get("model", "capsnet")  # files written before the key hold a CapsNet
     if kind != "capsnet":
-        raise ValueError(f"capsnet weights {weights_path}: holds a {kind} model (matrix capsules with EM routing); "
+        what = {"matrix-capsnet": "matrix capsules with EM routing", "baseline-cnn": "the baseline CNN"}.get(kind, kind)
+        raise ValueError(f"capsnet weights {weights_path}: holds a {kind} model ({what}); "
                          "this package builds CapsNets only (`capsnet eval` evaluates it)")
     try:
         config = json.loads(d["config"])
