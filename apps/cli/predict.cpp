@@ -69,47 +69,38 @@ struct Classifier {
 
 Classifier load_classifier(const std::string& path, Precision precision) {
   Classifier c;
-  if (train::stored_model(path) == train::kMatrixCapsNetModel) {
-    auto model = train::load_matrix_model(path);
+  // What every network shares: its precision, input side and channels; then its scores' names.
+  auto take = [&](auto model, const char* score, const char* sign, const char* scores) {
     model->set_precision(precision);
     c.side = model->config.image_size;
     c.channels = model->config.image_channels;
+    c.score = score;
+    c.score_sign = sign;
+    c.scores = scores;
+    return model;
+  };
+  const auto kind = train::stored_model(path);
+  if (kind == train::kMatrixCapsNetModel) {
     c.pose_dim = 16;  // a 4x4 pose matrix, row-major
-    c.score = "activation";
-    c.score_sign = "a";
-    c.scores = "activations";
-    c.forward = [model](const torch::Tensor& images) mutable {
+    c.forward = [model = take(train::load_matrix_model(path), "activation", "a", "activations")](
+                    const torch::Tensor& images) mutable {
       auto o = model(images);
       return std::make_pair(o.activations, o.poses.flatten(2));  // [n, K], [n, K, 16]
     };
-    return c;
-  }
-  if (train::stored_model(path) == train::kBaselineCnnModel) {
-    auto model = train::load_baseline_cnn(path);
-    model->set_precision(precision);
-    c.side = model->config.image_size;
-    c.channels = model->config.image_channels;
-    c.score = "probability";
-    c.score_sign = "p";
-    c.scores = "probabilities";
-    c.forward = [model](const torch::Tensor& images) mutable {
+  } else if (kind == train::kBaselineCnnModel) {
+    c.forward = [model = take(train::load_baseline_cnn(path), "probability", "p", "probabilities")](
+                    const torch::Tensor& images) mutable {
       auto p = torch::softmax(model(images).to(torch::kFloat), 1);  // [n, K]
-      return std::make_pair(p, p.new_empty({p.size(0), p.size(1), 0}));
+      return std::make_pair(p, p.new_empty({p.size(0), p.size(1), 0}));  // no poses
     };
-    return c;
+  } else {
+    auto model = take(train::load_model(path), "length", "|v|", "lengths");
+    c.pose_dim = model->config.digit_dim;
+    c.forward = [model](const torch::Tensor& images) mutable {
+      auto o = model(images);
+      return std::make_pair(o.lengths, o.digit_caps);  // [n, K], [n, K, D]
+    };
   }
-  auto model = train::load_model(path);
-  model->set_precision(precision);
-  c.side = model->config.image_size;
-  c.channels = model->config.image_channels;
-  c.pose_dim = model->config.digit_dim;
-  c.score = "length";
-  c.score_sign = "|v|";
-  c.scores = "lengths";
-  c.forward = [model](const torch::Tensor& images) mutable {
-    auto o = model(images);
-    return std::make_pair(o.lengths, o.digit_caps);  // [n, K], [n, K, D]
-  };
   return c;
 }
 
@@ -118,8 +109,8 @@ class PredictionWriter {
  public:
   PredictionWriter(std::ostream& out, std::string format, std::vector<std::string> classes, bool pose,
                    const Classifier& model)
-      : out_(out), format_(std::move(format)), classes_(std::move(classes)), pose_(pose), score_(model.score), scores_(model.scores),
-        sign_(model.score_sign) {
+      : out_(out), format_(std::move(format)), classes_(std::move(classes)), pose_(pose), score_(model.score),
+        scores_(model.scores), sign_(model.score_sign) {
     if (format_ != "csv") return;
     out_ << "input,class,label," << score_;
     for (const auto& c : classes_) out_ << "," << csv_field(score_ + "_" + c);

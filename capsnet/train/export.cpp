@@ -440,28 +440,29 @@ void expect_kind(const ExportedWeights& w, const std::string& path, const char* 
 
 }  // namespace
 
-models::CapsNet model_from_weights(const ExportedWeights& w, const std::string& path) {
-  expect_kind(w, path, kCapsNetModel);
-  const auto config = parse_config<models::CapsNetConfig, ExportError>(w.config, fmt::format("weights {}", path));
-  models::CapsNet model(config);
+namespace {
+
+// The network of `kind` that the weights describe, their tensors copied in (eval mode).
+template <class Model, class Config>
+Model build_from_weights(const ExportedWeights& w, const std::string& path, const char* kind) {
+  expect_kind(w, path, kind);
+  Model model(parse_config<Config, ExportError>(w.config, fmt::format("weights {}", path)));
   copy_state_in(w, path, *model);
   return model;
+}
+
+}  // namespace
+
+models::CapsNet model_from_weights(const ExportedWeights& w, const std::string& path) {
+  return build_from_weights<models::CapsNet, models::CapsNetConfig>(w, path, kCapsNetModel);
 }
 
 models::MatrixCapsNet matrix_model_from_weights(const ExportedWeights& w, const std::string& path) {
-  expect_kind(w, path, kMatrixCapsNetModel);
-  const auto config = parse_config<models::MatrixCapsNetConfig, ExportError>(w.config, fmt::format("weights {}", path));
-  models::MatrixCapsNet model(config);
-  copy_state_in(w, path, *model);
-  return model;
+  return build_from_weights<models::MatrixCapsNet, models::MatrixCapsNetConfig>(w, path, kMatrixCapsNetModel);
 }
 
 models::BaselineCnn baseline_cnn_from_weights(const ExportedWeights& w, const std::string& path) {
-  expect_kind(w, path, kBaselineCnnModel);
-  const auto config = parse_config<models::BaselineCnnConfig, ExportError>(w.config, fmt::format("weights {}", path));
-  models::BaselineCnn model(config);
-  copy_state_in(w, path, *model);
-  return model;
+  return build_from_weights<models::BaselineCnn, models::BaselineCnnConfig>(w, path, kBaselineCnnModel);
 }
 
 }  // namespace capsnet::train
