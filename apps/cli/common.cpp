@@ -1,6 +1,7 @@
 #include "capsnet/data/mnist.h"
 #include "apps/cli/commands.h"
 #include "capsnet/kernels/precision.h"
+#include "apps/precision_probe.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -20,7 +21,8 @@ void add_threads_flag(CLI::App& app, int& threads) {
 void add_precision_flag(CLI::App& app, std::string& precision) {
   app.add_option("--precision", precision,
                  "Compute precision of the convolutions and decoder: fp32, bf16 (AVX512_BF16/AMX CPUs; fp32 "
-                 "weights, fp32 routing and losses) or auto (bf16 where the CPU has it)")
+                 "weights, fp32 routing and losses) or auto (bf16 where it is measured faster than fp32 on "
+                 "this CPU: a one-second probe, cached)")
       ->check(CLI::IsMember({"fp32", "bf16", "auto"}))
       ->capture_default_str();
 }
@@ -33,9 +35,7 @@ void add_training_precision_flag(CLI::App& app, std::string& precision) {
 }
 
 Precision precision_from_flag(const std::string& precision) {
-  if (precision == "auto" && !cpu_has_native_bf16())
-    std::cerr << "note: --precision auto: this CPU has no native bf16 arithmetic (AVX512_BF16 or AMX), "
-                 "computing in fp32\n";
+  if (precision == "auto") return resolve_auto_precision(std::cerr);  // measured once per machine
   return parse_precision(precision);
 }
 

@@ -180,7 +180,7 @@ Subcommand add_eval(CLI::App& root) {
   return {app, [f, app]() {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             if (f->threads > 0) set_threads(f->threads);
-            const auto model = load_scored_model(f->checkpoint, parse_precision(f->precision));
+            const auto model = load_scored_model(f->checkpoint, precision_from_flag(f->precision));
             const auto spec = train::read_input_spec(f->checkpoint);
             const auto set = eval_set(*f, *app, model, spec);
             std::ostream* progress = f->no_progress || f->json ? nullptr : &std::cerr;

@@ -320,7 +320,7 @@ int run_predict(PredictFlags& f) {
     check_not_an_input(f.output, inputs);
   }
   if (f.threads > 0) set_threads(f.threads);
-  const auto model = load_classifier(f.checkpoint, parse_precision(f.precision));
+  const auto model = load_classifier(f.checkpoint, precision_from_flag(f.precision));
   if (f.pose && model.pose_dim == 0)
     throw std::invalid_argument(
         fmt::format("--pose: {} holds the baseline CNN, which has no capsule poses", f.checkpoint));

@@ -43,7 +43,7 @@ Subcommand add_reconstruct(CLI::App& root) {
             if (f->threads > 0) set_threads(f->threads);
             if (f->correct + f->wrong == 0) throw std::invalid_argument("nothing to show: --correct and --wrong are 0");
             auto model = train::load_model(f->checkpoint);
-            model->set_precision(parse_precision(f->precision));
+            model->set_precision(precision_from_flag(f->precision));
             if (!model->config.reconstruction)
               throw std::invalid_argument(f->checkpoint + ": this model was trained without a decoder");
             auto set = data::load_mnist(f->data.resolved(), data::Split::kTest);

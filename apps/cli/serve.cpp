@@ -93,7 +93,7 @@ Subcommand add_serve(CLI::App& root) {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             set_threads(f->threads);
             auto model = train::load_model(f->checkpoint);
-            model->set_precision(parse_precision(f->precision));
+            model->set_precision(precision_from_flag(f->precision));
             if (!model->config.reconstruction)
               throw std::invalid_argument(f->checkpoint +
                                           ": this checkpoint has no decoder; train without --no-reconstruction");

@@ -1,0 +1,151 @@
+#include "apps/precision_probe.h"
+
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "capsnet/models/capsnet.h"
+#include "capsnet/train/checkpoint.h"
+
+namespace capsnet::apps {
+namespace {
+
+std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+
+// The median time in ms of `steps` training steps of `model` at `precision`, after one warm-up step.
+double time_steps(models::CapsNet& model, Precision precision, const torch::Tensor& images,
+                  const torch::Tensor& labels, int steps) {
+  model->set_precision(precision);
+  std::vector<double> ms;
+  for (int s = 0; s <= steps; ++s) {
+    const auto start = std::chrono::steady_clock::now();
+    auto out = model(images, labels);
+    model->loss(out, images, labels).total.backward();
+    const auto end = std::chrono::steady_clock::now();
+    for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
+    if (s > 0) ms.push_back(std::chrono::duration<double, std::milli>(end - start).count());  // s = 0: warm-up
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+std::string entry_key(const std::string& cpu, int threads) { return fmt::format("{} | {} threads", cpu, threads); }
+
+}  // namespace
+
+std::string cpu_model_name() {
+  // The model name alone can be the same for two core generations (e.g. "AMD EPYC" on Zen 4 and Zen 5):
+  // the family and model numbers tell them apart.
+  std::ifstream in("/proc/cpuinfo");
+  std::string name, family, model;
+  auto value = [](const std::string& line) {
+    const auto colon = line.find(':');
+    if (colon == std::string::npos) return std::string();
+    auto v = line.substr(colon + 1);
+    v.erase(0, v.find_first_not_of(" \t"));
+    return v;
+  };
+  for (std::string line; std::getline(in, line) && !line.empty();) {  // the first processor's block
+    if (line.rfind("model name", 0) == 0) name = value(line);
+    else if (line.rfind("cpu family", 0) == 0) family = value(line);
+    else if (line.rfind("model", 0) == 0 && line.find_first_not_of(" \t", 5) != std::string::npos &&
+             line[line.find_first_not_of(" \t", 5)] == ':')
+      model = value(line);
+  }
+  if (name.empty()) name = "unknown CPU";
+  if (!family.empty() && !model.empty()) name += fmt::format(" (family {}, model {})", family, model);
+  return name;
+}
+
+PrecisionProbe measure_precision(int64_t batch, int steps) {
+  if (!cpu_has_native_bf16())
+    throw std::invalid_argument("measure_precision: this CPU has no native bf16 arithmetic (AVX512_BF16 or AMX)");
+  if (batch <= 0 || steps <= 0)
+    throw std::invalid_argument(fmt::format("measure_precision: batch and steps must be positive, got {} and {}",
+                                            batch, steps));
+  PrecisionProbe p;
+  p.cpu = cpu_model_name();
+  p.threads = at::get_num_threads();
+  // The paper's model on seeded inputs; its own generator, so the caller's random stream is untouched.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(12345);
+  models::CapsNet model(models::CapsNetConfig{});
+  model->train();
+  auto images = torch::rand({batch, 1, 28, 28}, gen);                 // [B, 1, 28, 28]
+  auto labels = torch::randint(0, 10, {batch}, gen, torch::kLong);    // [B]
+  p.fp32_ms = time_steps(model, Precision::kFloat32, images, labels, steps);
+  p.bf16_ms = time_steps(model, Precision::kBFloat16, images, labels, steps);
+  p.choice = p.bf16_ms < p.fp32_ms ? Precision::kBFloat16 : Precision::kFloat32;
+  return p;
+}
+
+std::string precision_cache_path() {
+  std::string dir = env("CAPSNET_CACHE_DIR");
+  if (dir.empty() && !env("XDG_CACHE_HOME").empty()) dir = env("XDG_CACHE_HOME") + "/capsnet";
+  if (dir.empty() && !env("HOME").empty()) dir = env("HOME") + "/.cache/capsnet";
+  if (dir.empty()) dir = std::filesystem::temp_directory_path().string() + "/capsnet";
+  return dir + "/precision-probe.json";
+}
+
+Precision resolve_auto_precision(std::ostream& log) {
+  if (!cpu_has_native_bf16()) {
+    log << "note: --precision auto: this CPU has no native bf16 arithmetic (AVX512_BF16 or AMX), computing in fp32\n";
+    return Precision::kFloat32;
+  }
+  if (env("CAPSNET_PRECISION_AUTO") == "cpuid") return Precision::kBFloat16;
+  const auto path = precision_cache_path();
+  const auto cpu = cpu_model_name();
+  const int threads = at::get_num_threads();
+  const auto key = entry_key(cpu, threads);
+  nlohmann::json cache = nlohmann::json::object();
+  {
+    std::ifstream in(path);
+    if (in) {
+      try {
+        cache = nlohmann::json::parse(in);
+      } catch (const nlohmann::json::exception&) {
+        cache = nlohmann::json::object();  // damaged: measured again and rewritten
+      }
+    }
+  }
+  PrecisionProbe p;
+  const auto it = cache.is_object() ? cache.find(key) : cache.end();
+  if (it != cache.end() && it->is_object() && it->contains("choice") && it->contains("fp32_ms") &&
+      it->contains("bf16_ms") && (*it)["choice"].is_string() && (*it)["fp32_ms"].is_number() &&
+      (*it)["bf16_ms"].is_number() && ((*it)["choice"] == "bf16" || (*it)["choice"] == "fp32")) {
+    p.cpu = cpu;
+    p.threads = threads;
+    p.fp32_ms = (*it)["fp32_ms"].get<double>();
+    p.bf16_ms = (*it)["bf16_ms"].get<double>();
+    p.choice = parse_precision((*it)["choice"].get<std::string>());
+    p.cached = true;
+  } else {
+    p = measure_precision();
+    if (!cache.is_object()) cache = nlohmann::json::object();
+    cache[key] = {{"choice", precision_name(p.choice)}, {"fp32_ms", p.fp32_ms}, {"bf16_ms", p.bf16_ms},
+                  {"probe", "one training step of the paper's MNIST CapsNet, batch 32, median of 3"}};
+    try {
+      const auto text = cache.dump(2) + "\n";
+      train::write_file_atomically(path, std::vector<char>(text.begin(), text.end()));
+    } catch (const std::exception& e) {
+      log << fmt::format("note: --precision auto: could not cache the probe in {}: {}\n", path, e.what());
+    }
+  }
+  log << fmt::format("note: --precision auto: {} (a training step: bf16 {:.0f} ms, fp32 {:.0f} ms on {}, {} threads; "
+                     "{} {})\n",
+                     precision_name(p.choice), p.bf16_ms, p.fp32_ms, cpu, threads,
+                     p.cached ? "cached in" : "measured now, cached in", path);
+  return p.choice;
+}
+
+}  // namespace capsnet::apps
