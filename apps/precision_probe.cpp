@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -41,6 +42,24 @@ double time_steps(models::CapsNet& model, Precision precision, const torch::Tens
 }
 
 std::string entry_key(const std::string& cpu, int threads) { return fmt::format("{} | {} threads", cpu, threads); }
+
+// The cache's entry under `key` (choice and both times), or nullopt when it is missing or malformed.
+std::optional<PrecisionProbe> cached_probe(const nlohmann::json& cache, const std::string& key) {
+  if (!cache.is_object() || !cache.contains(key)) return std::nullopt;
+  try {
+    const auto& e = cache.at(key);
+    const auto choice = e.at("choice").get<std::string>();
+    if (choice != "bf16" && choice != "fp32") return std::nullopt;
+    PrecisionProbe p;
+    p.fp32_ms = e.at("fp32_ms").get<double>();
+    p.bf16_ms = e.at("bf16_ms").get<double>();
+    p.choice = parse_precision(choice);
+    p.cached = true;
+    return p;
+  } catch (const nlohmann::json::exception&) {
+    return std::nullopt;
+  }
+}
 
 }  // namespace
 
@@ -119,16 +138,11 @@ Precision resolve_auto_precision(std::ostream& log) {
     }
   }
   PrecisionProbe p;
-  const auto it = cache.is_object() ? cache.find(key) : cache.end();
-  if (it != cache.end() && it->is_object() && it->contains("choice") && it->contains("fp32_ms") &&
-      it->contains("bf16_ms") && (*it)["choice"].is_string() && (*it)["fp32_ms"].is_number() &&
-      (*it)["bf16_ms"].is_number() && ((*it)["choice"] == "bf16" || (*it)["choice"] == "fp32")) {
+  std::string where = "cached in";
+  if (auto cached = cached_probe(cache, key)) {
+    p = *cached;
     p.cpu = cpu;
     p.threads = threads;
-    p.fp32_ms = (*it)["fp32_ms"].get<double>();
-    p.bf16_ms = (*it)["bf16_ms"].get<double>();
-    p.choice = parse_precision((*it)["choice"].get<std::string>());
-    p.cached = true;
   } else {
     p = measure_precision();
     if (!cache.is_object()) cache = nlohmann::json::object();
@@ -137,14 +151,15 @@ Precision resolve_auto_precision(std::ostream& log) {
     try {
       const auto text = cache.dump(2) + "\n";
       train::write_file_atomically(path, std::vector<char>(text.begin(), text.end()));
+      where = "measured now, cached in";
     } catch (const std::exception& e) {
       log << fmt::format("note: --precision auto: could not cache the probe in {}: {}\n", path, e.what());
+      where = "measured now, not cached in";
     }
   }
   log << fmt::format("note: --precision auto: {} (a training step: bf16 {:.0f} ms, fp32 {:.0f} ms on {}, {} threads; "
                      "{} {})\n",
-                     precision_name(p.choice), p.bf16_ms, p.fp32_ms, cpu, threads,
-                     p.cached ? "cached in" : "measured now, cached in", path);
+                     precision_name(p.choice), p.bf16_ms, p.fp32_ms, cpu, threads, where, path);
   return p.choice;
 }
 
