@@ -1,11 +1,12 @@
 // The page of `capsnet serve`: HTML, CSS and JS in one string so the binary needs no files and the
-// browser no network beyond this server.
+// browser no network beyond this server. It is written in parts, one per concern, joined in order.
 #include "apps/serve.h"
 
 namespace capsnet::apps {
+namespace {
 
-const std::string& live_viewer_page() {
-  static const std::string page = R"PAGE(<!DOCTYPE html>
+// The document head: title and the stylesheet.
+constexpr const char* kHead = R"PAGE(<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>capsnet serve</title>
@@ -34,7 +35,10 @@ const std::string& live_viewer_page() {
   #selftest { font-size: 11px; white-space: pre-wrap; word-break: break-all; max-height: 60px; overflow: hidden; }
   .err { color: #b00020; }
 </style></head>
-<body>
+)PAGE";
+
+// The four panels: input, capsule lengths, pose, training run (and the self-test's output).
+constexpr const char* kPanels = R"PAGE(<body>
 <header><b>capsnet serve</b><span id="model"></span></header>
 <main>
   <section id="input-panel">
@@ -68,7 +72,10 @@ const std::string& live_viewer_page() {
   </section>
   <section class="wide"><pre id="selftest"></pre></section>
 </main>
-<script>
+)PAGE";
+
+// The script's start: state and the JSON API helper.
+constexpr const char* kApi = R"PAGE(<script>
 "use strict";
 const $ = id => document.getElementById(id);
 const state = { info: null, pred: null, delta: [], decodeBusy: false, decodePending: false, lastRecon: null };
@@ -83,7 +90,10 @@ async function api(path, body) {
   return j;
 }
 
-// ---- drawing -------------------------------------------------------------------------------------
+)PAGE";
+
+// Drawing with the mouse and reading the drawing as a 28x28 input.
+constexpr const char* kDrawing = R"PAGE(// ---- drawing -------------------------------------------------------------------------------------
 const draw = $("draw"), dctx = draw.getContext("2d");
 function clearDraw() { dctx.fillStyle = "#000"; dctx.fillRect(0, 0, 280, 280); }
 clearDraw();
@@ -189,7 +199,10 @@ $("file").onchange = e => {
   img.src = url;
 };
 
-// ---- prediction, bars, pose sliders ----------------------------------------------------------------
+)PAGE";
+
+// Prediction, capsule-length bars, pose sliders and the decoder's image.
+constexpr const char* kPrediction = R"PAGE(// ---- prediction, bars, pose sliders ----------------------------------------------------------------
 function buildBars() {
   const K = state.info.num_classes, bars = $("bars"); bars.innerHTML = "";
   for (let k = 0; k < K; ++k) {
@@ -253,7 +266,10 @@ async function requestDecode() {
 }
 $("reset").onclick = () => { for (let i = 0; i < state.delta.length; ++i) { state.delta[i] = 0; $("s" + i).value = "0"; } showPose(); requestDecode(); };
 
-// ---- training panel ----------------------------------------------------------------------------------
+)PAGE";
+
+// The training panel: the run list and the loss and accuracy charts.
+constexpr const char* kTraining = R"PAGE(// ---- training panel ----------------------------------------------------------------------------------
 const palette = ["#2f6fd0", "#e0402a", "#2a9d5b", "#8e44ad", "#d98e04", "#16a2b8", "#6c757d", "#c2185b"];
 function chart(canvas, title, series) {
   const c = canvas.getContext("2d"), W = canvas.width, H = canvas.height, L = 52, R = 10, T = 22, B = 28;
@@ -308,7 +324,10 @@ $("run").onchange = () => loadMetrics().catch(showError);
 setInterval(() => { if ($("follow").checked) loadMetrics().catch(showError); }, 2000);
 function showError(e) { const p = $("selftest"); p.className = "err"; p.textContent = String(e); }
 
-// ---- self-test (?selftest=1): a scripted session whose outcome the browser test reads from the DOM ---
+)PAGE";
+
+// The self-test (?selftest=1) and the page's start.
+constexpr const char* kSelfTestAndStart = R"PAGE(// ---- self-test (?selftest=1): a scripted session whose outcome the browser test reads from the DOM ---
 async function selftest() {
   const out = { status: "selftest: running" };
   try {
@@ -346,6 +365,12 @@ async function selftest() {
 </script>
 </body></html>
 )PAGE";
+
+}  // namespace
+
+const std::string& live_viewer_page() {
+  static const std::string page = std::string(kHead) + kPanels + kApi + kDrawing + kPrediction + kTraining +
+                                  kSelfTestAndStart;
   return page;
 }
 

@@ -22,7 +22,7 @@
 #include "capsnet/models/capsnet.h"
 #include "capsnet/kernels/precision.h"
 #include "capsnet/train/checkpoint.h"
-#include "apps/experiments/classifier_task.h"
+#include "capsnet/train/classifier_task.h"
 #include "capsnet/train/metrics.h"
 #include "apps/runtime.h"
 #include "capsnet/viz/figures.h"
@@ -48,16 +48,16 @@ struct Flags {
 };
 
 
-experiments::Classifier make_classifier(const std::string& name, const Flags& f, Precision precision) {
+train::Classifier make_classifier(const std::string& name, const Flags& f, Precision precision) {
   if (name == "capsnet") {
     models::CapsNetConfig c;
     c.image_size = kCanvas;  // primary grid 12x12 -> 4608 capsules; decoder outputs 40*40 = 1600 pixels
-    return experiments::capsnet_classifier(name, c, precision);
+    return train::capsnet_classifier(name, c, precision);
   }
   models::BaselineCnnConfig c;
   c.image_size = kCanvas;
   c.pooling = !f.cnn_no_pool;
-  return experiments::cnn_classifier(name, c, precision);
+  return train::cnn_classifier(name, c, precision);
 }
 
 /// Rows of centred test digits above their affNIST-style versions: [rows * 42 + 2, 12 * 42 + 2].
@@ -198,24 +198,24 @@ int run(const Flags& f) {
   // The end-of-epoch evaluation (epoch mode): the translated test set, which the target refers to
   // without a validation split (the paper's protocol).
   const auto evaluate_translated =
-      experiments::accuracy_evaluator(translated, "translated_mnist", "translated test", t.eval_batch_size);
+      train::accuracy_evaluator(translated, "translated_mnist", "translated test", t.eval_batch_size);
 
   nlohmann::json results = nlohmann::json::array();
   std::vector<std::string> rows;
   for (const auto& name : names) {
     // MNIST placed at random in the 40x40 canvas; the batch order and placements are functions of the
     // seed and the step alone, so every model sees exactly the same training images.
-    experiments::ClassifierTask task(
-        [&f, name](Precision p) { return make_classifier(name, f, p); }, train_set.size(), /*shuffle=*/true,
+    train::ClassifierTask task(
+        "classifier", [&f, name](Precision p) { return make_classifier(name, f, p); }, train_set.size(), /*shuffle=*/true,
         [&](const torch::Tensor& ids, at::Generator& gen) {
           auto images = data::place_in_canvas(data::to_float(train_set.images.index_select(0, ids)), kCanvas,
                                               f.max_shift, gen);              // [B, 1, 40, 40]
           return std::make_pair(images, train_set.labels.index_select(0, ids));  // labels [B]
         },
         nlohmann::json{{"train_examples", train_set.size()}, {"max_shift", f.max_shift}, {"canvas", kCanvas}},
-        t.epochs > 0 ? evaluate_translated : experiments::ClassifierEvaluator{});
+        t.epochs > 0 ? evaluate_translated : train::ClassifierEvaluator{});
     if (t.validation_size > 0)
-      task.set_validation(experiments::accuracy_evaluator(validation, "val", "validation", t.eval_batch_size));
+      task.set_validation(train::accuracy_evaluator(validation, "val", "validation", t.eval_batch_size));
     const auto run_dir = f.out_dir + "/" + name;
     const auto trained = train_or_resume(task, t, run_dir, precision);
     const auto& stats = trained.log;  // every part of this model's run, resumed or not
@@ -226,8 +226,8 @@ int run(const Flags& f) {
     const auto t_eval = Clock::now();
     std::ostream* progress = t.no_progress ? nullptr : &std::cerr;
     const double acc_translated =
-        experiments::classifier_accuracy(r, translated, t.eval_batch_size, progress, "translated test");
-    const double acc_affine = experiments::classifier_accuracy(r, affine, t.eval_batch_size, progress, "affNIST-style test");
+        train::classifier_accuracy(r, translated, t.eval_batch_size, progress, "translated test");
+    const double acc_affine = train::classifier_accuracy(r, affine, t.eval_batch_size, progress, "affNIST-style test");
     const double eval_seconds = train::seconds_since(t_eval);
     for (const auto& [split, acc] : {std::pair<std::string, double>{"translated_mnist", acc_translated},
                                      std::pair<std::string, double>{"affnist_style", acc_affine}})
@@ -258,7 +258,7 @@ int run(const Flags& f) {
     if (!family.empty()) {
       nlohmann::json curve = nlohmann::json::object();
       for (size_t k = 0; k < family.size(); ++k)
-        curve[family[k].name] = experiments::classifier_accuracy(r, warped[k], t.eval_batch_size, progress, family[k].name);
+        curve[family[k].name] = train::classifier_accuracy(r, warped[k], t.eval_batch_size, progress, family[k].name);
       row["robustness"] = curve;
     }
     results.push_back(row);

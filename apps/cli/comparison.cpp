@@ -141,7 +141,7 @@ SubRunLog read_sub_run(const std::string& run_dir) {
   return log;
 }
 
-ComparisonRun train_or_resume(experiments::ClassifierTask& task, const ComparisonFlags& f, const std::string& run_dir,
+ComparisonRun train_or_resume(train::ClassifierTask& task, const ComparisonFlags& f, const std::string& run_dir,
                               Precision precision) {
   auto o = comparison_loop_options(f, run_dir, precision);
   const auto ckpt = train::checkpoint_path(run_dir);

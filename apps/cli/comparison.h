@@ -10,7 +10,7 @@
 #include <optional>
 #include <string>
 
-#include "apps/experiments/classifier_task.h"
+#include "capsnet/train/classifier_task.h"
 #include "capsnet/kernels/precision.h"
 #include "capsnet/train/loop.h"
 
@@ -65,7 +65,7 @@ struct ComparisonRun {
   SubRunLog log;
   std::string scored;  // "last" or "best.pt (step N, validation accuracy A)"
 };
-ComparisonRun train_or_resume(experiments::ClassifierTask& task, const ComparisonFlags& f, const std::string& run_dir,
+ComparisonRun train_or_resume(train::ClassifierTask& task, const ComparisonFlags& f, const std::string& run_dir,
                               Precision precision);
 
 }  // namespace capsnet::apps::cli

@@ -4,6 +4,8 @@
 #include <iostream>
 #include <functional>
 #include <memory>
+#include <type_traits>
+#include <variant>
 
 #include "capsnet/data/mnist.h"
 #include "capsnet/train/checkpoint.h"
@@ -31,48 +33,45 @@ struct EvalFlags {
 struct ScoredModel {
   std::string kind;  // train::kCapsNetModel, kMatrixCapsNetModel or kBaselineCnnModel
   int64_t image_size = 0, image_channels = 0;
+  train::InputSpec spec;
   std::string loss_name;  // how the text output names the loss: "" or "spread " (EM)
   std::function<train::EvalResult(const data::ImageSet&, int64_t batch_size, std::ostream* progress)> evaluate;
 };
 
 ScoredModel load_scored_model(const std::string& path, Precision precision) {
+  auto loaded = train::load_any_model(path);
+  loaded.set_precision(precision);
   ScoredModel m;
-  m.kind = train::stored_model(path);
-  auto take = [&](auto model) {
-    model->set_precision(precision);
-    m.image_size = model->config.image_size;
-    m.image_channels = model->config.image_channels;
-    return model;
-  };
-  if (m.kind == train::kMatrixCapsNetModel) {
-    m.loss_name = "spread ";
-    m.evaluate = [model = take(train::load_matrix_model(path))](const data::ImageSet& set, int64_t batch_size,
-                                                                 std::ostream* progress) mutable {
-      auto e = experiments::evaluate_em(model, set, /*count=*/0, batch_size, experiments::kFinalSpreadMargin,
-                                        progress);
-      train::EvalResult r;
-      r.examples = e.examples;
-      r.accuracy = e.accuracy;
-      r.loss = e.loss;
-      r.confusion = e.confusion;
-      return r;
-    };
-  } else if (m.kind == train::kBaselineCnnModel) {
-    m.evaluate = [model = take(train::load_baseline_cnn(path))](const data::ImageSet& set, int64_t batch_size,
-                                                                std::ostream* progress) mutable {
-      return train::evaluate(model, set, batch_size, progress);
-    };
-  } else {
-    m.evaluate = [model = take(train::load_model(path))](const data::ImageSet& set, int64_t batch_size,
-                                                         std::ostream* progress) mutable {
-      return train::evaluate(model, set, batch_size, progress);
-    };
-  }
+  m.kind = loaded.kind;
+  m.image_size = loaded.image_size;
+  m.image_channels = loaded.image_channels;
+  m.spec = std::move(loaded.spec);
+  std::visit(
+      [&m](auto model) {
+        if constexpr (std::is_same_v<decltype(model), models::MatrixCapsNet>) {
+          m.loss_name = "spread ";
+          m.evaluate = [model](const data::ImageSet& set, int64_t batch_size, std::ostream* progress) mutable {
+            auto e = experiments::evaluate_em(model, set, /*count=*/0, batch_size, experiments::kFinalSpreadMargin,
+                                              progress);
+            train::EvalResult r;
+            r.examples = e.examples;
+            r.accuracy = e.accuracy;
+            r.loss = e.loss;
+            r.confusion = e.confusion;
+            return r;
+          };
+        } else {  // CapsNet or the baseline CNN
+          m.evaluate = [model](const data::ImageSet& set, int64_t batch_size, std::ostream* progress) mutable {
+            return train::evaluate(model, set, batch_size, progress);
+          };
+        }
+      },
+      loaded.network);
   return m;
 }
 
 /// Any labelled IDX set whose side matches the model, e.g. a generated 40x40 test set.
-data::ImageSet idx_eval_set(const EvalFlags& f, const ScoredModel& m, const train::InputSpec& spec) {
+data::ImageSet idx_eval_set(const EvalFlags& f, const ScoredModel& m) {
   if (m.image_channels != 1)
     throw std::invalid_argument(
         fmt::format("{}: IDX images have 1 channel, but the model takes {}", f.images, m.image_channels));
@@ -81,7 +80,7 @@ data::ImageSet idx_eval_set(const EvalFlags& f, const ScoredModel& m, const trai
     throw std::invalid_argument(fmt::format("{}: images are {}x{}, but the model {} takes {}x{}", f.images,
                                             set.images.size(1), set.images.size(2), f.checkpoint, m.image_size,
                                             m.image_size));
-  const auto classes = static_cast<int64_t>(spec.class_names.size());
+  const auto classes = static_cast<int64_t>(m.spec.class_names.size());
   if (set.size() > 0 && set.labels.max().item<int64_t>() >= classes)
     throw std::invalid_argument(fmt::format("{}: label {} is not a class of the model ({} classes)", f.labels,
                                             set.labels.max().item<int64_t>(), classes));
@@ -90,8 +89,8 @@ data::ImageSet idx_eval_set(const EvalFlags& f, const ScoredModel& m, const trai
 
 /// A split of an image folder, read at the model's side and (unless given) with the fit and split it was
 /// trained with.
-data::ImageSet folder_eval_set(EvalFlags& f, const CLI::App& app, const ScoredModel& m,
-                               const train::InputSpec& spec) {
+data::ImageSet folder_eval_set(EvalFlags& f, const CLI::App& app, const ScoredModel& m) {
+  const auto& spec = m.spec;
   if (m.kind == train::kMatrixCapsNetModel)
     throw std::invalid_argument(fmt::format(
         "{}: matrix-capsule models are evaluated on IDX data (--dataset mnist or fashion-mnist)", f.checkpoint));
@@ -114,9 +113,9 @@ data::ImageSet folder_eval_set(EvalFlags& f, const CLI::App& app, const ScoredMo
 }
 
 /// The set eval scores: --images/--labels, an image folder, or an MNIST-format split.
-data::ImageSet eval_set(EvalFlags& f, const CLI::App& app, const ScoredModel& m, const train::InputSpec& spec) {
-  if (!f.images.empty()) return idx_eval_set(f, m, spec);
-  if (f.data.is_folder()) return folder_eval_set(f, app, m, spec);
+data::ImageSet eval_set(EvalFlags& f, const CLI::App& app, const ScoredModel& m) {
+  if (!f.images.empty()) return idx_eval_set(f, m);
+  if (f.data.is_folder()) return folder_eval_set(f, app, m);
   if (m.image_size != 28)
     throw std::invalid_argument(fmt::format("{}: the model takes {}x{} images, but --dataset is 28x28; score a set "
                                             "of its side with --images/--labels (e.g. from capsnet affine "
@@ -126,8 +125,8 @@ data::ImageSet eval_set(EvalFlags& f, const CLI::App& app, const ScoredModel& m,
   return data::take(data::load_mnist(f.data.resolved(), split), f.limit);
 }
 
-void print_eval(const EvalFlags& f, const ScoredModel& m, const train::InputSpec& spec, const std::string& split_name,
-                const train::EvalResult& r) {
+void print_eval(const EvalFlags& f, const ScoredModel& m, const std::string& split_name, const train::EvalResult& r) {
+  const auto& spec = m.spec;
   if (f.json) {
     nlohmann::json j = {{"checkpoint", f.checkpoint}, {"model", m.kind},  {"split", split_name},
                         {"examples", r.examples},     {"accuracy", r.accuracy}, {"error", 1 - r.accuracy},
@@ -181,11 +180,10 @@ Subcommand add_eval(CLI::App& root) {
             f->checkpoint = checkpoint_or_shipped(f->checkpoint);
             if (f->threads > 0) set_threads(f->threads);
             const auto model = load_scored_model(f->checkpoint, precision_from_flag(f->precision));
-            const auto spec = train::read_input_spec(f->checkpoint);
-            const auto set = eval_set(*f, *app, model, spec);
+            const auto set = eval_set(*f, *app, model);
             std::ostream* progress = f->no_progress || f->json ? nullptr : &std::cerr;
             const auto r = model.evaluate(set, f->batch_size, progress);
-            print_eval(*f, model, spec, f->images.empty() ? f->split : f->images, r);
+            print_eval(*f, model, f->images.empty() ? f->split : f->images, r);
             return 0;
           }};
 }

@@ -7,6 +7,8 @@
 #include <functional>
 #include <iostream>
 #include <memory>
+#include <type_traits>
+#include <variant>
 #include <utility>
 
 #include "capsnet/data/idx.h"
@@ -60,7 +62,8 @@ std::string csv_field(const std::string& s) {
 /// activations a, the baseline CNN's its softmax probabilities p (no pose); the prediction is the largest.
 struct Classifier {
   int64_t side = 0, channels = 1, pose_dim = 0;
-  std::string score;       // "length" | "activation": the name of the score in every output format
+  train::InputSpec spec;
+  std::string score;       // "length" | "activation" | "probability": the name of the score in every output format
   std::string score_sign;  // how the text format writes it: "|v|" | "a" | "p"
   std::string scores;      // the plural: the JSON key and text label of all classes' scores
   /// images: [n, C, S, S] float in [0, 1] -> scores [n, K], poses [n, K, pose_dim].
@@ -68,39 +71,44 @@ struct Classifier {
 };
 
 Classifier load_classifier(const std::string& path, Precision precision) {
+  auto loaded = train::load_any_model(path);
+  loaded.set_precision(precision);
   Classifier c;
-  // What every network shares: its precision, input side and channels; then its scores' names.
-  auto take = [&](auto model, const char* score, const char* sign, const char* scores) {
-    model->set_precision(precision);
-    c.side = model->config.image_size;
-    c.channels = model->config.image_channels;
-    c.score = score;
-    c.score_sign = sign;
-    c.scores = scores;
-    return model;
-  };
-  const auto kind = train::stored_model(path);
-  if (kind == train::kMatrixCapsNetModel) {
-    c.pose_dim = 16;  // a 4x4 pose matrix, row-major
-    c.forward = [model = take(train::load_matrix_model(path), "activation", "a", "activations")](
-                    const torch::Tensor& images) mutable {
-      auto o = model(images);
-      return std::make_pair(o.activations, o.poses.flatten(2));  // [n, K], [n, K, 16]
-    };
-  } else if (kind == train::kBaselineCnnModel) {
-    c.forward = [model = take(train::load_baseline_cnn(path), "probability", "p", "probabilities")](
-                    const torch::Tensor& images) mutable {
-      auto p = torch::softmax(model(images).to(torch::kFloat), 1);  // [n, K]
-      return std::make_pair(p, p.new_empty({p.size(0), p.size(1), 0}));  // no poses
-    };
-  } else {
-    auto model = take(train::load_model(path), "length", "|v|", "lengths");
-    c.pose_dim = model->config.digit_dim;
-    c.forward = [model](const torch::Tensor& images) mutable {
-      auto o = model(images);
-      return std::make_pair(o.lengths, o.digit_caps);  // [n, K], [n, K, D]
-    };
-  }
+  c.side = loaded.image_size;
+  c.channels = loaded.image_channels;
+  c.spec = std::move(loaded.spec);
+  std::visit(
+      [&c](auto model) {
+        using Model = decltype(model);
+        if constexpr (std::is_same_v<Model, models::MatrixCapsNet>) {
+          c.pose_dim = 16;  // a 4x4 pose matrix, row-major
+          c.score = "activation";
+          c.score_sign = "a";
+          c.scores = "activations";
+          c.forward = [model](const torch::Tensor& images) mutable {
+            auto o = model(images);
+            return std::make_pair(o.activations, o.poses.flatten(2));  // [n, K], [n, K, 16]
+          };
+        } else if constexpr (std::is_same_v<Model, models::BaselineCnn>) {
+          c.score = "probability";
+          c.score_sign = "p";
+          c.scores = "probabilities";
+          c.forward = [model](const torch::Tensor& images) mutable {
+            auto p = torch::softmax(model(images).to(torch::kFloat), 1);       // [n, K]
+            return std::make_pair(p, p.new_empty({p.size(0), p.size(1), 0}));  // no poses
+          };
+        } else {
+          c.pose_dim = model->config.digit_dim;
+          c.score = "length";
+          c.score_sign = "|v|";
+          c.scores = "lengths";
+          c.forward = [model](const torch::Tensor& images) mutable {
+            auto o = model(images);
+            return std::make_pair(o.lengths, o.digit_caps);  // [n, K], [n, K, D]
+          };
+        }
+      },
+      loaded.network);
   return c;
 }
 
@@ -109,8 +117,13 @@ class PredictionWriter {
  public:
   PredictionWriter(std::ostream& out, std::string format, std::vector<std::string> classes, bool pose,
                    const Classifier& model)
-      : out_(out), format_(std::move(format)), classes_(std::move(classes)), pose_(pose), score_(model.score),
-        scores_(model.scores), sign_(model.score_sign) {
+      : out_(out),
+        format_(std::move(format)),
+        classes_(std::move(classes)),
+        pose_(pose),
+        score_(model.score),
+        scores_(model.scores),
+        sign_(model.score_sign) {
     if (format_ != "csv") return;
     out_ << "input,class,label," << score_;
     for (const auto& c : classes_) out_ << "," << csv_field(score_ + "_" + c);
@@ -194,12 +207,15 @@ void add_predict_flags(CLI::App& app, PredictFlags& f) {
 /// Classifies the inputs in batches and writes one line per image; counts what it could not read.
 class Predictor {
  public:
-  Predictor(const PredictFlags& f, const Classifier& model, const train::InputSpec& spec, std::ostream& out,
-            std::string out_name)
-      : f_(f), model_(model), fit_(data::parse_fit(f.fit.empty() ? spec.image_fit : f.fit)),
+  Predictor(const PredictFlags& f, const Classifier& model, std::ostream& out, std::string out_name)
+      : f_(f),
+        model_(model),
+        fit_(data::parse_fit(f.fit.empty() ? model.spec.image_fit : f.fit)),
         // Digit models were trained on white-on-black: a light grey background means a scan to invert.
-        digit_model_(spec.dataset != "image-folder"), out_(out), out_name_(std::move(out_name)),
-        writer_(out, f.format, spec.class_names, f.pose, model) {}
+        digit_model_(model.spec.dataset != "image-folder"),
+        out_(out),
+        out_name_(std::move(out_name)),
+        writer_(out, f.format, model.spec.class_names, f.pose, model) {}
 
   /// An image file joins the pending batch; an IDX file is classified at once, batch by batch.
   void add(const Source& s) {
@@ -324,7 +340,6 @@ int run_predict(PredictFlags& f) {
   if (f.pose && model.pose_dim == 0)
     throw std::invalid_argument(
         fmt::format("--pose: {} holds the baseline CNN, which has no capsule poses", f.checkpoint));
-  const auto spec = train::read_input_spec(f.checkpoint);
   const auto sources = expand_inputs(f.inputs);
 
   std::ofstream file;
@@ -335,7 +350,7 @@ int run_predict(PredictFlags& f) {
     if (!file) throw std::runtime_error("cannot write " + f.output);
   }
   std::ostream& out = f.output.empty() ? std::cout : file;
-  Predictor predictor(f, model, spec, out, f.output.empty() ? "standard output" : f.output);
+  Predictor predictor(f, model, out, f.output.empty() ? "standard output" : f.output);
   for (const auto& s : sources) predictor.add(s);
   predictor.finish();
   if (!f.output.empty()) {

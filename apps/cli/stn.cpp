@@ -16,7 +16,7 @@
 #include "capsnet/data/transforms.h"
 #include "capsnet/kernels/precision.h"
 #include "capsnet/train/json_input.h"
-#include "apps/experiments/classifier_task.h"
+#include "capsnet/train/classifier_task.h"
 #include "capsnet/train/metrics.h"
 #include "apps/runtime.h"
 #include "capsnet/viz/figures.h"
@@ -48,24 +48,24 @@ struct RunSpec {
   std::string name() const { return model + (stn ? "+stn" : ""); }
 };
 
-experiments::Classifier make_classifier(const RunSpec& spec, const Flags& f, Precision precision) {
+train::Classifier make_classifier(const RunSpec& spec, const Flags& f, Precision precision) {
   if (spec.model == "capsnet") {
     models::CapsNetConfig c;
     c.image_size = kCanvas;  // primary grid 13x13
     if (f.small) c.conv1_channels = 64, c.primary_types = 16;
     c.stn = spec.stn;
-    return experiments::capsnet_classifier(spec.name(), c, precision);
+    return train::capsnet_classifier(spec.name(), c, precision);
   }
   models::BaselineCnnConfig c;
   c.image_size = kCanvas;
   if (f.small) c.conv1_channels = 64, c.conv2_channels = 64, c.conv3_channels = 32;
   c.stn = spec.stn;
-  return experiments::cnn_classifier(spec.name(), c, precision);
+  return train::cnn_classifier(spec.name(), c, precision);
 }
 
 /// Per-run summary of the learnt transforms on the test images: mean |theta - identity| (all six
 /// entries) and the mean determinant of theta's linear part (< 1: the STN zooms in).
-nlohmann::json theta_stats(experiments::Classifier& r, const data::ImageSet& set, int64_t batch_size) {
+nlohmann::json theta_stats(train::Classifier& r, const data::ImageSet& set, int64_t batch_size) {
   torch::NoGradGuard no_grad;
   r.module->eval();
   double dev = 0, det = 0;
@@ -82,7 +82,7 @@ nlohmann::json theta_stats(experiments::Classifier& r, const data::ImageSet& set
 
 /// Rows of (input | STN output) pairs of the first `count` test images, 6 pairs per row; one block per
 /// STN run, top to bottom in run order, separated by a blank row.
-torch::Tensor transforms_figure(std::vector<experiments::Classifier*>& runs, const data::ImageSet& set, int64_t count) {
+torch::Tensor transforms_figure(std::vector<train::Classifier*>& runs, const data::ImageSet& set, int64_t count) {
   torch::NoGradGuard no_grad;
   constexpr int64_t kPairs = 6;
   count = std::min(count, set.size());
@@ -154,12 +154,12 @@ int run(const Flags& f) {
                   {"canvas", kCanvas}});
   metrics.write({{"event", "start"}, {"options", options}, {"resume", t.resume}});
 
-  std::vector<std::unique_ptr<experiments::ClassifierTask>> tasks;
+  std::vector<std::unique_ptr<train::ClassifierTask>> tasks;
   nlohmann::json results = nlohmann::json::array();
   for (const auto& spec : specs) {
     // Every run sees the same training stream: step s is examples s*B .. s*B + B - 1 of (seed, n).
-    tasks.push_back(std::make_unique<experiments::ClassifierTask>(
-        [&f, spec](Precision p) { return make_classifier(spec, f, p); }, train_set.size(), /*shuffle=*/false,
+    tasks.push_back(std::make_unique<train::ClassifierTask>(
+        "classifier", [&f, spec](Precision p) { return make_classifier(spec, f, p); }, train_set.size(), /*shuffle=*/false,
         [&](const torch::Tensor& ids, at::Generator&) {
           auto b = data::distorted_batch(train_set, t.seed, ids[0].item<int64_t>(), ids.size(0), kCanvas, ranges);
           return std::make_pair(b.images, b.labels);  // [B, 1, 42, 42], [B]
@@ -167,7 +167,7 @@ int run(const Flags& f) {
         nlohmann::json{{"train_examples", train_set.size()}, {"canvas", kCanvas}}));
     auto& task = *tasks.back();
     if (t.validation_size > 0)
-      task.set_validation(experiments::accuracy_evaluator(validation, "val", "validation", t.eval_batch_size));
+      task.set_validation(train::accuracy_evaluator(validation, "val", "validation", t.eval_batch_size));
     const auto run_dir = f.out_dir + "/" + spec.name();
     const auto trained = train_or_resume(task, t, run_dir, precision);
     const auto& stats = trained.log;  // every part of this model's run, resumed or not
@@ -176,7 +176,7 @@ int run(const Flags& f) {
     metrics.write({{"event", "model"}, {"model", r.name}, {"parameters", parameters}, {"config", r.config},
                    {"run", run_dir}});
     const auto t_eval = Clock::now();
-    const double acc = experiments::classifier_accuracy(r, test_set, t.eval_batch_size, t.no_progress ? nullptr : &std::cerr,
+    const double acc = train::classifier_accuracy(r, test_set, t.eval_batch_size, t.no_progress ? nullptr : &std::cerr,
                                                   "distorted test");
     const double eval_seconds = train::seconds_since(t_eval);
     metrics.write({{"event", "eval"}, {"model", r.name}, {"split", "distorted_mnist"}, {"accuracy", acc},
@@ -204,7 +204,7 @@ int run(const Flags& f) {
   }
   metrics.write({{"event", "end"}});
 
-  std::vector<experiments::Classifier*> stn_runs;
+  std::vector<train::Classifier*> stn_runs;
   for (auto& t : tasks)
     if (t->classifier().transformer) stn_runs.push_back(&t->classifier());
   std::string figure_path;

@@ -6,9 +6,9 @@
 //
 // which is conv2d(x^T: [C, N, H, W] (batch C, channels N), dy^T: [O, N, P, Q] (O filters of N
 // channels), stride d, dilation s) -> [C, O, K, K], transposed back to [O, C, K, K].
-// Why: oneDNN 2.6 (Debian's LibTorch 1.13) runs the PrimaryCaps weight gradient (256 -> 256, 9x9,
-// stride 2, 20x20 -> 6x6, batch 100) in bf16 about 2x slower than its forward kernel on the same
-// FLOPs; the swapped form runs on that forward kernel (docs/kernels.md, "Batch-swapped weight gradient and
+// Why: oneDNN's bf16 weight-gradient kernel can run the PrimaryCaps weight gradient (256 -> 256, 9x9,
+// stride 2, 20x20 -> 6x6, batch 100) about 2x slower than its forward kernel on the same FLOPs; the
+// swapped form runs on that forward kernel (docs/kernels.md, "Batch-swapped weight gradient and
 // stride-phase input gradient").
 // In fp32 and for few input channels (Conv1: 1) oneDNN's own weight gradient is as fast or faster,
 // so kernels::conv2d_at uses this only for bf16 convolutions with many input channels.
@@ -19,9 +19,8 @@
 //   dX[n, c, s*m + ph, s*q + pw] = sum_{o, a, b} dy[n, o, m - a, q - b] * w[o, c, s*a + ph, s*b + pw]
 //
 // a full (zero-padded) correlation of dy with the phase's sub-kernel, flipped and with in/out swapped.
-// Why: oneDNN 2.6's backward-data kernel takes 104 ms (bf16) / 160 ms (fp32) for PrimaryCaps' input
-// gradient at batch 100, its forward kernel 67 / 125 ms for the four phases (docs/kernels.md, same
-// section).
+// Why: oneDNN's backward-data kernel can be markedly slower on PrimaryCaps' input gradient than its
+// forward kernel on the four phases together (docs/kernels.md, same section, has the measurements).
 
 #include <torch/torch.h>
 

@@ -1,11 +1,10 @@
 #pragma once
 // Matrix products into strided views, by oneDNN's sgemm for fp32.
 //
-// Why: torch::mm / bmm in Debian's LibTorch 1.13 run fp32 products on OpenBLAS, whose kernels on these
-// CPUs reach 115 GFLOP/s on the spectral convolution's per-frequency products ([100, 256] x [256, 256],
-// with OPENBLAS_CORETYPE=Haswell as this machine's environment presets) where oneDNN's sgemm (the
-// libdnnl.so.2 LibTorch itself links) reaches 250 GFLOP/s; a 4096^3 product 192 vs 380 GFLOP/s
-// (docs/kernels.md, "GEMM into strided views on oneDNN sgemm"). bf16 operands go to oneDNN's matmul
+// Why: a LibTorch built against OpenBLAS runs torch::mm / bmm in fp32 on OpenBLAS, whose kernels can reach
+// well under half the rate of oneDNN's sgemm (the libdnnl LibTorch itself links) on the spectral
+// convolution's per-frequency products ([100, 256] x [256, 256]); docs/kernels.md, "GEMM into strided
+// views on oneDNN sgemm", has the measurements. bf16 operands go to oneDNN's matmul
 // primitive (fp32 accumulation, out in fp32 or bf16). Other dtypes (float64 references and gradchecks) use ATen.
 
 #include <torch/torch.h>

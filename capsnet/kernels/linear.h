@@ -1,10 +1,9 @@
 #pragma once
 // Linear layers' products on oneDNN's sgemm (gemm.h) rather than ATen's.
 //
-// Why: LibTorch 1.13's torch::linear in fp32 runs on OpenBLAS, whose kernels on these CPUs (with the
-// OPENBLAS_CORETYPE=Haswell this machine's environment presets) took 8.9-27 ms for the CapsNet decoder's
-// three layers at batch 100 (forward and both gradients), oneDNN's sgemm 2.8 ms (docs/kernels.md,
-// "GEMM into strided views on oneDNN sgemm").
+// Why: a LibTorch built against OpenBLAS runs torch::linear in fp32 on OpenBLAS, which can be several
+// times slower than oneDNN's sgemm on the CapsNet decoder's three layers at batch 100 (forward and both
+// gradients); docs/kernels.md, "GEMM into strided views on oneDNN sgemm", has the measurements.
 
 #include <torch/torch.h>
 

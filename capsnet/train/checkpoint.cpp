@@ -359,16 +359,11 @@ CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model
   return meta;
 }
 
-InputSpec read_input_spec(const std::string& path) {
-  nlohmann::json info, config;
-  if (auto weights = try_read_weights(path)) {
-    info = weights->card.is_object() ? weights->card : nlohmann::json::object();
-    config = weights->config;
-  } else {
-    auto meta = read_checkpoint_meta(path);
-    info = meta.train_options.is_object() ? meta.train_options : nlohmann::json::object();
-    config = meta.model_config;
-  }
+namespace {
+
+/// The input spec of a file whose training options or model card is `info` and model config `config`.
+InputSpec input_spec_of(nlohmann::json info, const nlohmann::json& config, const std::string& path) {
+  if (!info.is_object()) info = nlohmann::json::object();
   InputSpec spec;
   try {
     spec.dataset = info.value("dataset", std::string());
@@ -387,6 +382,14 @@ InputSpec read_input_spec(const std::string& path) {
     for (int64_t k = 0; k < K; ++k) spec.class_names.push_back(std::to_string(k));
   }
   return spec;
+}
+
+}  // namespace
+
+InputSpec read_input_spec(const std::string& path) {
+  if (auto weights = try_read_weights(path)) return input_spec_of(weights->card, weights->config, path);
+  const auto meta = read_checkpoint_meta(path);
+  return input_spec_of(meta.train_options, meta.model_config, path);
 }
 
 std::string checkpoint_model(const CheckpointMeta& meta) {
@@ -454,6 +457,29 @@ models::BaselineCnn load_baseline_cnn(const std::string& path) {
   });
   model->eval();
   return model;
+}
+
+void LoadedModel::set_precision(Precision precision) {
+  std::visit([precision](auto& net) { net->set_precision(precision); }, network);
+}
+
+LoadedModel load_any_model(const std::string& path) {
+  auto loaded = [](std::string kind, auto network, InputSpec spec) {
+    const int64_t side = network->config.image_size, channels = network->config.image_channels;
+    return LoadedModel{std::move(kind), std::move(network), std::move(spec), side, channels};
+  };
+  if (auto w = try_read_weights(path)) {
+    auto spec = input_spec_of(w->card, w->config, path);
+    if (w->model == kMatrixCapsNetModel) return loaded(w->model, matrix_model_from_weights(*w, path), spec);
+    if (w->model == kBaselineCnnModel) return loaded(w->model, baseline_cnn_from_weights(*w, path), spec);
+    return loaded(w->model, model_from_weights(*w, path), spec);
+  }
+  const auto meta = read_checkpoint_meta(path);
+  auto spec = input_spec_of(meta.train_options, meta.model_config, path);
+  const auto kind = checkpoint_model(meta);
+  if (kind == kMatrixCapsNetModel) return loaded(kind, load_matrix_model(path), spec);
+  if (kind == kBaselineCnnModel) return loaded(kind, load_baseline_cnn(path), spec);
+  return loaded(kind, load_model(path), spec);
 }
 
 }  // namespace capsnet::train

@@ -11,8 +11,10 @@
 #include <stdexcept>
 #include <functional>
 #include <string>
+#include <variant>
 #include <vector>
 
+#include "capsnet/kernels/precision.h"
 #include "capsnet/models/baseline_cnn.h"
 #include "capsnet/models/capsnet.h"
 #include "capsnet/models/matrix_capsnet.h"
@@ -99,5 +101,21 @@ models::MatrixCapsNet load_matrix_model(const std::string& path);
 /// The baseline CNN (with its spatial transformer, if any) of a `capsnet affine` / `capsnet stn` checkpoint
 /// or a baseline-cnn weight file, weights loaded, eval mode, fp32. CheckpointError / ExportError otherwise.
 models::BaselineCnn load_baseline_cnn(const std::string& path);
+
+/// Whichever network a checkpoint or weight file holds, weights loaded, eval mode, with what it expects of
+/// its inputs: what eval and predict need, the weight file read once.
+struct LoadedModel {
+  std::string kind;  // kCapsNetModel, kMatrixCapsNetModel or kBaselineCnnModel (export.h)
+  std::variant<models::CapsNet, models::MatrixCapsNet, models::BaselineCnn> network;
+  InputSpec spec;
+  int64_t image_size = 0, image_channels = 0;  // the side S and channels C of its input [N, C, S, S]
+
+  /// Computes at `precision` (the network's set_precision).
+  void set_precision(Precision precision);
+};
+
+/// Loads any network stored by capsnet (a checkpoint of any training command, or an exported weight
+/// file). CheckpointError / ExportError naming the file when it is neither or is damaged.
+LoadedModel load_any_model(const std::string& path);
 
 }  // namespace capsnet::train

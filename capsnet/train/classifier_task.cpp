@@ -1,4 +1,4 @@
-#include "apps/experiments/classifier_task.h"
+#include "capsnet/train/classifier_task.h"
 
 #include <fmt/format.h>
 
@@ -8,7 +8,7 @@
 #include "capsnet/data/transforms.h"
 #include "capsnet/train/metrics.h"
 
-namespace capsnet::experiments {
+namespace capsnet::train {
 namespace {
 
 torch::Tensor accuracy_of(const torch::Tensor& predicted, const torch::Tensor& labels) {
@@ -17,28 +17,35 @@ torch::Tensor accuracy_of(const torch::Tensor& predicted, const torch::Tensor& l
 
 }  // namespace
 
-Classifier capsnet_classifier(const std::string& name, const models::CapsNetConfig& config,
-                              Precision precision) {
+Classifier capsnet_classifier(const std::string& name, const models::CapsNetConfig& config, Precision precision,
+                              bool fused_routing) {
   config.validate();
   models::CapsNet model(config);
+  model->set_fused_routing(fused_routing);
   model->set_precision(precision);
   Classifier c;
   c.name = name;
   c.module = model.ptr();
   c.config = config.to_json();
+  c.config_matches = [config](const nlohmann::json& saved) { return models::same_config(saved, config); };
   c.loss = [model](const torch::Tensor& images, const torch::Tensor& labels) mutable {
     auto out = model(images, labels);
     auto l = model->loss(out, images, labels);  // margin + scale * SSE against the (untransformed) input
-    return train::TaskLoss{l.total, {{"accuracy", accuracy_of(out.lengths.argmax(1), labels)}}};
+    return TaskLoss{l.total,
+                    {{"margin_loss", l.margin},
+                     {"reconstruction_loss", l.reconstruction},
+                     {"accuracy", accuracy_of(out.lengths.argmax(1), labels)}}};
   };
   c.predict = [model](const torch::Tensor& images) mutable { return model(images).lengths.argmax(1); };
+  c.evaluate = [model](const data::ImageSet& set, int64_t batch_size, std::ostream* progress) mutable {
+    return train::evaluate(model, set, batch_size, progress);
+  };
   if (model->stn)
     c.transformer = [model](const torch::Tensor& images) mutable { return model->stn->forward_with_theta(images); };
   return c;
 }
 
-Classifier cnn_classifier(const std::string& name, const models::BaselineCnnConfig& config,
-                          Precision precision) {
+Classifier cnn_classifier(const std::string& name, const models::BaselineCnnConfig& config, Precision precision) {
   config.validate();
   models::BaselineCnn model(config);
   model->set_precision(precision);
@@ -48,17 +55,22 @@ Classifier cnn_classifier(const std::string& name, const models::BaselineCnnConf
   c.config = config.to_json();
   c.loss = [model](const torch::Tensor& images, const torch::Tensor& labels) mutable {
     auto logits = model(images);  // [B, K]
-    return train::TaskLoss{model->loss(logits, labels), {{"accuracy", accuracy_of(logits.argmax(1), labels)}}};
+    return TaskLoss{model->loss(logits, labels), {{"accuracy", accuracy_of(logits.argmax(1), labels)}}};
   };
   c.predict = [model](const torch::Tensor& images) mutable { return model(images).argmax(1); };
+  c.evaluate = [model](const data::ImageSet& set, int64_t batch_size, std::ostream* progress) mutable {
+    return train::evaluate(model, set, batch_size, progress);
+  };
   if (model->stn)
     c.transformer = [model](const torch::Tensor& images) mutable { return model->stn->forward_with_theta(images); };
   return c;
 }
 
-ClassifierTask::ClassifierTask(std::function<Classifier(Precision)> make, int64_t epoch_size, bool shuffle,
-                               LabelledBatchSource source, nlohmann::json data_config, ClassifierEvaluator evaluator)
-    : make_(std::move(make)),
+ClassifierTask::ClassifierTask(std::string name, std::function<Classifier(Precision)> make, int64_t epoch_size,
+                               bool shuffle, LabelledBatchSource source, nlohmann::json data_config,
+                               ClassifierEvaluator evaluator)
+    : name_(std::move(name)),
+      make_(std::move(make)),
       epoch_size_(epoch_size),
       shuffle_(shuffle),
       source_(std::move(source)),
@@ -70,17 +82,21 @@ std::shared_ptr<torch::nn::Module> ClassifierTask::build_model(Precision precisi
   return classifier_.module;
 }
 
-std::optional<train::Evaluation> ClassifierTask::evaluate(std::ostream* progress) {
+bool ClassifierTask::config_matches(const nlohmann::json& saved) const {
+  return classifier_.config_matches ? classifier_.config_matches(saved) : saved == classifier_.config;
+}
+
+std::optional<Evaluation> ClassifierTask::evaluate(std::ostream* progress) {
   if (!evaluator_) return std::nullopt;
   return evaluator_(classifier_, progress);
 }
 
-std::optional<train::Evaluation> ClassifierTask::evaluate_validation(std::ostream* progress) {
+std::optional<Evaluation> ClassifierTask::evaluate_validation(std::ostream* progress) {
   if (!validator_) return std::nullopt;
   return validator_(classifier_, progress);
 }
 
-train::Batch ClassifierTask::batch(const torch::Tensor& ids, at::Generator& gen) const {
+Batch ClassifierTask::batch(const torch::Tensor& ids, at::Generator& gen) const {
   auto [images, labels] = source_(ids, gen);
   return {{images, labels}};  // [B, C, S, S], [B]
 }
@@ -92,7 +108,7 @@ double classifier_accuracy(Classifier& c, const data::ImageSet& set, int64_t bat
   const bool was_training = c.module->is_training();
   c.module->eval();
   int64_t correct = 0;
-  train::ProgressBar bar(progress ? *progress : std::cerr, c.name + " " + label, set.size(), progress != nullptr);
+  ProgressBar bar(progress ? *progress : std::cerr, c.name + " " + label, set.size(), progress != nullptr);
   for (int64_t start = 0; start < set.size(); start += batch_size) {
     const int64_t len = std::min(batch_size, set.size() - start);
     auto images = data::to_float(set.images.narrow(0, start, len));  // [len, 1, S, S]
@@ -109,18 +125,28 @@ ClassifierEvaluator accuracy_evaluator(const data::ImageSet& set, const std::str
                                        int64_t batch_size) {
   return [&set, split, label, batch_size](Classifier& c, std::ostream* progress) {
     const double acc = classifier_accuracy(c, set, batch_size, progress, label);
-    return train::Evaluation{
-        {{"split", split}, {"accuracy", acc}, {"error", 1 - acc}, {"examples", set.size()}},
-        fmt::format("{} accuracy {:.2f}% ({} images)", label, 100 * acc, set.size())};
+    return Evaluation{{{"split", split}, {"accuracy", acc}, {"error", 1 - acc}, {"examples", set.size()}},
+                      fmt::format("{} accuracy {:.2f}% ({} images)", label, 100 * acc, set.size())};
   };
 }
 
-double tail_mean(const std::vector<double>& values) {
-  if (values.empty()) return 0;
-  const size_t tail = std::max<size_t>(1, values.size() / 10);
-  double sum = 0;
-  for (size_t i = values.size() - tail; i < values.size(); ++i) sum += values[i];
-  return sum / static_cast<double>(tail);
+ClassifierEvaluator loss_evaluator(const data::ImageSet& set, const std::string& label, int64_t batch_size,
+                                   std::optional<EvalResult>* last) {
+  return [&set, label, batch_size, last](Classifier& c, std::ostream* progress) {
+    auto r = c.evaluate(set, batch_size, progress);
+    Evaluation e{
+        {{"accuracy", r.accuracy}, {"error", 1 - r.accuracy}, {"loss", r.loss}, {"examples", r.examples}},
+        fmt::format("{} loss {:.4f} accuracy {:.2f}% ({} images)", label, r.loss, 100 * r.accuracy, r.examples)};
+    if (last) *last = std::move(r);
+    return e;
+  };
 }
 
-}  // namespace capsnet::experiments
+LabelledBatchSource shifted_batches(const data::ImageSet& set, int64_t max_shift) {
+  return [&set, max_shift](const torch::Tensor& ids, at::Generator& gen) {
+    auto images = data::random_shift(data::to_float(set.images.index_select(0, ids)), max_shift, gen);
+    return std::make_pair(images, set.labels.index_select(0, ids));  // [B, C, S, S], [B]
+  };
+}
+
+}  // namespace capsnet::train

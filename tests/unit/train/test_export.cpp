@@ -8,6 +8,7 @@
 #include <fstream>
 #include <functional>
 #include <set>
+#include <variant>
 
 #include "capsnet/data/transforms.h"
 #include "capsnet/train/checkpoint.h"
@@ -259,6 +260,62 @@ TEST(Export, BaselineCnnRoundTripProbeLoadersAndEvaluate) {
   EXPECT_EQ(r.confusion.sum().item<int64_t>(), 7);
   for (int64_t i = 0; i < 7; ++i)
     EXPECT_GE(r.confusion[set.labels[i].item<int64_t>()][pred[i].item<int64_t>()].item<int64_t>(), 1);
+}
+
+// load_any_model: every network from a checkpoint and from a weight file, the same weights as its own
+// loader, in eval mode, with its input side, channels and class names (the card's or the options').
+TEST(Export, LoadAnyModelTakesEveryNetworkFromCheckpointsAndWeightFiles) {
+  TempDir dir;
+  torch::manual_seed(13);
+  auto capsnet = tiny_model(14);
+  models::MatrixCapsNet em(testing::tiny_em_config());
+  models::BaselineCnn cnn(testing::tiny_cnn_config(12));
+  const std::vector<std::string> letters{"a", "b", "c", "d", "e", "f", "g", "h", "i", "j"};
+  const nlohmann::json options = {{"classes", letters}};
+  train::ExportOptions o;
+  o.card = options;
+  train::save_checkpoint(dir / "capsnet_ckpt.pt", *capsnet, nullptr, {1, capsnet->config.to_json(), options});
+  train::save_checkpoint(dir / "em_ckpt.pt", *em, nullptr, {2, em->config.to_json(), {{"task", "em"}}});
+  train::save_checkpoint(dir / "cnn_ckpt.pt", *cnn, nullptr, {3, cnn->config.to_json(), options});
+  train::save_weights(dir / "capsnet.pt", capsnet, 1, o);
+  train::save_weights(dir / "em.pt", em, 2, o);
+  train::save_weights(dir / "cnn.pt", cnn, 3);
+
+  struct Case {
+    std::string file, kind;
+    size_t alternative;
+    torch::nn::Module* module;
+    int64_t side;
+    bool lettered;  // class names from the options or card
+  };
+  const std::vector<Case> cases{
+      {"capsnet_ckpt.pt", train::kCapsNetModel, 0, capsnet.get(), capsnet->config.image_size, true},
+      {"capsnet.pt", train::kCapsNetModel, 0, capsnet.get(), capsnet->config.image_size, true},
+      {"em_ckpt.pt", train::kMatrixCapsNetModel, 1, em.get(), em->config.image_size, false},
+      {"em.pt", train::kMatrixCapsNetModel, 1, em.get(), em->config.image_size, true},
+      {"cnn_ckpt.pt", train::kBaselineCnnModel, 2, cnn.get(), 12, true},
+      {"cnn.pt", train::kBaselineCnnModel, 2, cnn.get(), 12, false}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.file);
+    auto m = train::load_any_model(dir / c.file);
+    EXPECT_EQ(m.kind, c.kind);
+    ASSERT_EQ(m.network.index(), c.alternative);
+    EXPECT_EQ(m.image_size, c.side);
+    EXPECT_EQ(m.image_channels, 1);
+    EXPECT_EQ(m.spec.class_names, c.lettered ? letters : std::vector<std::string>({"0", "1", "2", "3", "4", "5", "6",
+                                                                                     "7", "8", "9"}));
+    const auto params = c.module->named_parameters();
+    std::visit(
+        [&](auto& net) {
+          EXPECT_FALSE(net->is_training());
+          ASSERT_EQ(net->named_parameters().size(), params.size());
+          // Weight files store fp32 here: the same values as the live model, bit for bit.
+          for (const auto& p : net->named_parameters())
+            EXPECT_TRUE(torch::equal(p.value(), params[p.key()])) << p.key();
+        },
+        m.network);
+  }
+  EXPECT_THROW(train::load_any_model(dir / "missing.pt"), train::CheckpointError);
 }
 
 TEST(Export, ErrorsNameTheBadArgument) {
