@@ -16,8 +16,8 @@
 #include "capsnet/models/capsnet.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/json_input.h"
-#include "capsnet/viz/png.h"
 #include "apps/cli/commands.h"
+#include "apps/cli/result_files.h"
 #include "apps/cli/loop_flags.h"
 
 namespace capsnet::apps::cli {
@@ -185,9 +185,8 @@ void write_capspix2pix_figures(const Pix2pixFlags* f, const models::Pix2pix& mod
     names += (names.empty() ? "" : " | ") + std::string(m->config.generator == "caps" ? "CapsPix2pix" : "pix2pix");
   auto write = [&](const std::string& name, const torch::Tensor& figure, const std::string& what) {
     const std::string png = o.loop.out_dir + "/" + name;
-    viz::write_png_gray(png, figure);
+    write_figure(png, figure);
     summary["figures"][name] = what;
-    std::cout << fmt::format("wrote {} ({}x{} px)\n", png, figure.size(1), figure.size(0));
   };
   write("capspix2pix_compare.png",
         experiments::pix2pix_comparison_figure(models, test_set, 0, f->figure_rows, o.eval_seed),
@@ -228,10 +227,7 @@ int run_capspix2pix(const std::shared_ptr<Pix2pixFlags>& f, const std::shared_pt
 
   auto summary = capspix2pix_summary(f.get(), result, consistency);
   if (f->figure_rows > 0) write_capspix2pix_figures(f.get(), model, other, test_set, summary);
-  summary["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-  const std::string json_path = o.loop.out_dir + "/capspix2pix.json";
-  write_text_file(json_path, train::dump_json(summary, 2) + "\n");
-  std::cout << fmt::format("wrote {}\n", json_path);
+  write_summary(o.loop.out_dir + "/capspix2pix.json", summary, t_start);
   return 0;
 }
 

@@ -15,6 +15,7 @@
 #include "capsnet/train/json_input.h"
 #include "apps/runtime.h"
 #include "apps/cli/commands.h"
+#include "apps/cli/result_files.h"
 #include "apps/cli/loop_flags.h"
 
 namespace capsnet::apps::cli {
@@ -177,8 +178,7 @@ nlohmann::json em_summary(const EmFlags& f, const std::string& dir, const experi
 }
 
 int run_em(const std::shared_ptr<EmFlags>& f, const std::shared_ptr<train::ProcessGroup>& group) {
-  using Clock = std::chrono::steady_clock;
-  const auto t_start = Clock::now();
+  const auto t_start = std::chrono::steady_clock::now();
   auto& o = f->o;
   const std::string dir = f->data.resolved();
   auto train_set = data::load_mnist(dir, data::Split::kTrain);
@@ -192,10 +192,7 @@ int run_em(const std::shared_ptr<EmFlags>& f, const std::shared_ptr<train::Proce
     std::cout << fmt::format("{} test: accuracy {:.2f}% (error {:.2f}%) on {} images, spread loss {:.4f}\n",
                              f->data.dataset, 100 * r.test.accuracy, 100 * (1 - r.test.accuracy), r.test.examples,
                              r.test.loss);
-  summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
-  const std::string json_path = o.loop.out_dir + "/em.json";
-  write_text_file(json_path, train::dump_json(summary, 2) + "\n");
-  std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
+  write_summary(o.loop.out_dir + "/em.json", summary, t_start);
   return 0;
 }
 

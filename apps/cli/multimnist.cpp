@@ -17,8 +17,8 @@
 #include "capsnet/train/json_input.h"
 #include "apps/experiments/multimnist.h"
 #include "apps/runtime.h"
-#include "capsnet/viz/png.h"
 #include "apps/cli/commands.h"
+#include "apps/cli/result_files.h"
 #include "apps/cli/loop_flags.h"
 
 namespace capsnet::apps::cli {
@@ -44,8 +44,7 @@ struct Flags {
 
 // Trains (or with --eval-only loads) the model, evaluates it, and writes the figure and the summary.
 int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
-  using Clock = std::chrono::steady_clock;
-  const auto t_start = Clock::now();
+  const auto t_start = std::chrono::steady_clock::now();
   auto* f = &flags;
   auto& o = f->o;
   data::MultiMnistOptions gen_options;  // the paper's: 28x28 padded to 36x36, shifts up to 4 px
@@ -153,17 +152,13 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
     } else if (model->config.reconstruction) {
       auto figure = experiments::multimnist_figure(model, test_pairs, f->figure_correct, f->figure_wrong, f->figure_columns);
       const std::string png = o.loop.out_dir + "/multimnist.png";
-      viz::write_png_gray(png, figure);
+      write_figure(png, figure);
       summary["figure"] = png;
-      std::cout << fmt::format("wrote {} ({}x{} px)\n", png, figure.size(1), figure.size(0));
     } else {
       std::cerr << "no figure: the model has no decoder\n";
     }
   }
-  summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
-  const std::string json_path = o.loop.out_dir + "/multimnist.json";
-  write_text_file(json_path, train::dump_json(summary, 2) + "\n");
-  std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
+  write_summary(o.loop.out_dir + "/multimnist.json", summary, t_start);
   return 0;
 }
 

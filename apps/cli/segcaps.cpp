@@ -19,8 +19,8 @@
 #include "capsnet/train/distributed.h"
 #include "capsnet/train/json_input.h"
 #include "apps/runtime.h"
-#include "capsnet/viz/png.h"
 #include "apps/cli/commands.h"
+#include "apps/cli/result_files.h"
 #include "apps/cli/loop_flags.h"
 
 namespace capsnet::apps::cli {
@@ -209,8 +209,7 @@ nlohmann::json segcaps_summary(const SegCapsFlags* f, const experiments::SegCaps
 }
 
 int run_segcaps(const std::shared_ptr<SegCapsFlags>& f, const std::shared_ptr<train::ProcessGroup>& group) {
-  using Clock = std::chrono::steady_clock;
-  const auto t_start = Clock::now();
+  const auto t_start = std::chrono::steady_clock::now();
   auto& o = f->o;
 
   data::DigitSegmentation train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.loop.seed, f->d);
@@ -234,15 +233,11 @@ int run_segcaps(const std::shared_ptr<SegCapsFlags>& f, const std::shared_ptr<tr
   if (f->figure_rows > 0) {
     auto figure = experiments::segcaps_figure(model, test_set, 0, f->figure_rows, o.threshold);
     const std::string png = o.loop.out_dir + "/segcaps.png";
-    viz::write_png_gray(png, figure);
+    write_figure(png, figure);
     summary["figure"] = png;
     summary["figure_columns"] = "input | target mask | capsule length |v| | predicted mask (|v| > threshold)";
-    std::cout << fmt::format("wrote {} ({}x{} px)\n", png, figure.size(1), figure.size(0));
   }
-  summary["seconds"] = std::chrono::duration<double>(Clock::now() - t_start).count();
-  const std::string json_path = o.loop.out_dir + "/segcaps.json";
-  write_text_file(json_path, train::dump_json(summary, 2) + "\n");
-  std::cout << fmt::format("wrote {} ({:.1f} s in all)\n", json_path, summary["seconds"].get<double>());
+  write_summary(o.loop.out_dir + "/segcaps.json", summary, t_start);
   return 0;
 }
 
