@@ -12,15 +12,13 @@ Run by `capsnet bench`; runnable alone:  /usr/bin/python3 bench/peer_capsnet.py 
 """
 import argparse
 import json
-import math
-import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from timing import add_peer_args, measure_peer
 
 
 def squash(s, dim=-1, eps=1e-8):
@@ -65,32 +63,9 @@ def loss_fn(lengths, recon, images, labels):
     return margin + 0.0005 * sse
 
 
-def reset_peak_rss():
-    # Writing 5 to clear_refs resets VmHWM (Linux >= 4.0), so each phase gets its own peak.
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def rss_mb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch-size", type=int, default=100)
-    ap.add_argument("--steps", type=int, default=10, help="timed training steps (after 2 warm-up steps)")
-    ap.add_argument("--infer-batches", type=int, default=5)
-    ap.add_argument("--latency-runs", type=int, default=30)
-    ap.add_argument("--routing-iters", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--seed", type=int, default=1)
+    add_peer_args(ap)
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -109,43 +84,14 @@ def main():
         opt.step()
         return loss.item()
 
-    rss_before = rss_mb("VmRSS")
-    reset_peak_rss()
-    for _ in range(2):
-        train_step()
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        train_step()
-        times.append(time.perf_counter() - t)
-    train_peak = rss_mb("VmHWM")
+    def predict(x):
+        model.eval()
+        return model(x)[0].argmax(1)
 
-    model.eval()
-    infer = []
-    with torch.no_grad():
-        model(images)
-        for _ in range(args.infer_batches):
-            t = time.perf_counter()
-            model(images)[0].argmax(1)
-            infer.append(time.perf_counter() - t)
-        one = images[:1].clone()
-        for _ in range(3):
-            model(one)
-        lat = []
-        for _ in range(args.latency_runs):
-            t = time.perf_counter()
-            model(one)[0].argmax(1)
-            lat.append(time.perf_counter() - t)
-
-    print(json.dumps({
-        "config": "peer", "impl": "plain PyTorch (Python, eager) " + torch.__version__,
-        "batch_size": B, "threads": torch.get_num_threads(), "routing_iters": args.routing_iters,
-        "train_img_s": B / statistics.median(times), "infer_img_s": B / statistics.median(infer),
-        "latency_b1_ms": 1000 * statistics.median(lat),
-        "latency_b1_p90_ms": 1000 * sorted(lat)[math.ceil(0.9 * len(lat)) - 1],
-        "train_peak_rss_mb": train_peak, "train_rss_growth_mb": train_peak - rss_before,
-        "steps": args.steps,
-    }))
+    result = {"config": "peer", "impl": "plain PyTorch (Python, eager) " + torch.__version__,
+              "threads": torch.get_num_threads()}
+    result.update(measure_peer(train_step, predict, images, args, torch.no_grad))
+    print(json.dumps(result))
     sys.stdout.flush()
 
 

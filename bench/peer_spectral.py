@@ -61,8 +61,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer_tuned  # noqa: E402  (the rest of the network, the loss and the reporting helpers)
-from peer_tuned import (CapsRouting, D_IN, D_OUT, I_CAPS, J_CAPS, loss_fn,  # noqa: E402
-                        route_forward, squash, tune_malloc)
+from peer_tuned import loss_fn  # noqa: E402
 
 SPECTRAL_INFER_MIN_BATCH = 32   # inference below this batch runs F.conv2d (the C++'s kSpectralInferenceMinBatch)
 
@@ -507,25 +506,12 @@ def run_check(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch-size", type=int, default=100)
-    ap.add_argument("--steps", type=int, default=10, help="timed training steps (after 2 warm-up steps)")
-    ap.add_argument("--infer-batches", type=int, default=5)
-    ap.add_argument("--latency-runs", type=int, default=30)
-    ap.add_argument("--routing-iters", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--channels-last", action="store_true",
-                    help="channels_last Conv1 (as peer_tuned.py; PrimaryCaps is spectral either way)")
-    ap.add_argument("--no-malloc-tune", action="store_true", help="leave glibc malloc at its defaults")
+    peer_tuned.add_args(ap, "channels_last Conv1 (as peer_tuned.py; PrimaryCaps is spectral either way)")
     ap.add_argument("--check", action="store_true",
                     help="float64 against F.conv2d + autograd, gradcheck, bf16 against fp32, the network "
                          "against peer_tuned.py; PASS/FAIL")
     args = ap.parse_args()
-
-    args.malloc_tuned = False if args.no_malloc_tune else tune_malloc()
-    torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
+    peer_tuned.setup(args)
     if args.check:
         sys.exit(run_check(args))
 

@@ -31,15 +31,15 @@ import argparse
 import contextlib
 import ctypes
 import json
-import math
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import add_peer_args, measure_peer  # noqa: E402
 
 I_CAPS, J_CAPS, D_OUT, D_IN = 1152, 10, 16, 8
 
@@ -248,25 +248,8 @@ def autocast_ctx(precision):
     return contextlib.nullcontext()
 
 
-def reset_peak_rss():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def rss_mb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
-
-
 def run_check(args):
     """Same weights and inputs through peer_capsnet.PeerCapsNet and TunedCapsNet (fp32)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import peer_capsnet
     torch.manual_seed(args.seed)
     B = min(args.batch_size, 16)
@@ -317,10 +300,24 @@ def run_check(args):
     return 0 if ok else 1
 
 
+def add_args(ap, channels_last_help):
+    """The flags of the tuned and the spectral peer: every peer's (timing.add_peer_args) and theirs."""
+    add_peer_args(ap)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--channels-last", action="store_true", help=channels_last_help)
+    ap.add_argument("--no-malloc-tune", action="store_true", help="leave glibc malloc at its defaults")
+
+
+def setup(args):
+    """Process settings of the tuned and the spectral peer: malloc tuning, threads, denormals."""
+    args.malloc_tuned = False if args.no_malloc_tune else tune_malloc()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+
+
 def measure(model, args, config, impl, extra=None):
-    """Times `model` as `capsnet bench` expects and prints its one JSON line: training steps at
-    args.batch_size (after 2 warm-up steps), inference batches, batch-1 latency, peak RSS. Shared by the
-    tuned and the spectral peer, so both are measured alike."""
+    """Times `model` as `capsnet bench` expects (timing.measure_peer) and prints its one JSON line.
+    Shared by the tuned and the spectral peer, so both are measured alike."""
     B = args.batch_size
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
     images = torch.rand(B, 1, 28, 28)
@@ -337,44 +334,20 @@ def measure(model, args, config, impl, extra=None):
         opt.step()
         return loss.item()
 
-    rss_before = rss_mb("VmRSS")
-    reset_peak_rss()
-    for _ in range(2):
-        train_step()
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        train_step()
-        times.append(time.perf_counter() - t)
-    train_peak = rss_mb("VmHWM")
+    def predict(x):
+        model.eval()
+        return model(x)[0].argmax(1)
 
-    model.eval()
-    infer = []
-    with torch.inference_mode(), autocast_ctx(args.precision):
-        model(images)
-        for _ in range(args.infer_batches):
-            t = time.perf_counter()
-            model(images)[0].argmax(1)
-            infer.append(time.perf_counter() - t)
-        one = images[:1].clone()
-        for _ in range(3):
-            model(one)
-        lat = []
-        for _ in range(args.latency_runs):
-            t = time.perf_counter()
-            model(one)[0].argmax(1)
-            lat.append(time.perf_counter() - t)
+    @contextlib.contextmanager
+    def inference():
+        with torch.inference_mode(), autocast_ctx(args.precision):
+            yield
 
-    result = {
-        "config": config + ("-bf16" if args.precision == "bf16" else ""), "impl": impl + " " + torch.__version__,
-        "batch_size": B, "threads": torch.get_num_threads(), "routing_iters": args.routing_iters,
-        "train_img_s": B / statistics.median(times), "infer_img_s": B / statistics.median(infer),
-        "latency_b1_ms": 1000 * statistics.median(lat),
-        "latency_b1_p90_ms": 1000 * sorted(lat)[math.ceil(0.9 * len(lat)) - 1],
-        "train_peak_rss_mb": train_peak, "train_rss_growth_mb": train_peak - rss_before,
-        "steps": args.steps, "precision": args.precision,
-        "channels_last": args.channels_last, "malloc_tuned": args.malloc_tuned,
-    }
+    result = {"config": config + ("-bf16" if args.precision == "bf16" else ""),
+              "impl": impl + " " + torch.__version__, "threads": torch.get_num_threads()}
+    result.update(measure_peer(train_step, predict, images, args, inference))
+    result.update({"precision": args.precision, "channels_last": args.channels_last,
+                   "malloc_tuned": args.malloc_tuned})
     result.update(extra or {})
     print(json.dumps(result))
     sys.stdout.flush()
@@ -382,23 +355,10 @@ def measure(model, args, config, impl, extra=None):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch-size", type=int, default=100)
-    ap.add_argument("--steps", type=int, default=10, help="timed training steps (after 2 warm-up steps)")
-    ap.add_argument("--infer-batches", type=int, default=5)
-    ap.add_argument("--latency-runs", type=int, default=30)
-    ap.add_argument("--routing-iters", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--channels-last", action="store_true",
-                    help="channels_last convolutions (measured slower here than NCHW in fp32, equal in bf16)")
-    ap.add_argument("--no-malloc-tune", action="store_true", help="leave glibc malloc at its defaults")
+    add_args(ap, "channels_last convolutions (measured slower here than NCHW in fp32, equal in bf16)")
     ap.add_argument("--check", action="store_true", help="compare with peer_capsnet.py; PASS/FAIL")
     args = ap.parse_args()
-
-    args.malloc_tuned = False if args.no_malloc_tune else tune_malloc()
-    torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
+    setup(args)
     if args.check:
         sys.exit(run_check(args))
 

@@ -1,5 +1,8 @@
-"""Timing helper shared by the bench/ micro-benchmarks (run as `python3 bench/NAME.py`, so this
-folder is on sys.path)."""
+"""Timing helpers shared by the bench/ programs (run as `python3 bench/NAME.py`, so this folder is on
+sys.path): the micro-benchmarks' median, and the one measurement every plain-PyTorch peer of
+`capsnet bench` makes, so that all peers are measured alike."""
+import math
+import os
 import statistics
 import time
 
@@ -14,3 +17,75 @@ def median_seconds(fn, reps, warmup=1):
         fn()
         out.append(time.perf_counter() - t)
     return statistics.median(out)
+
+
+def add_peer_args(ap):
+    """The command-line flags every peer takes (`capsnet bench` passes the same ones to each)."""
+    ap.add_argument("--batch-size", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=10, help="timed training steps (after 2 warm-up steps)")
+    ap.add_argument("--infer-batches", type=int, default=5)
+    ap.add_argument("--latency-runs", type=int, default=30)
+    ap.add_argument("--routing-iters", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--seed", type=int, default=1)
+
+
+def reset_peak_rss():
+    """Writing 5 to clear_refs resets VmHWM (Linux >= 4.0), so each phase gets its own peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def rss_mb(field):
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM) in MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def measure_peer(train_step, predict, images, args, inference_ctx):
+    """The figures of `capsnet bench` for one peer: `train_step()` timed over args.steps steps after 2
+    warm-up steps (peak RSS of that phase), then `predict(x)` (classes [B] of images x, in eval mode)
+    on args.infer_batches batches of `images` [B, 1, 28, 28] and args.latency_runs single images, each
+    inside a fresh `inference_ctx()`. Returns the JSON fields shared by every peer."""
+    B = images.shape[0]
+    rss_before = rss_mb("VmRSS")
+    reset_peak_rss()
+    for _ in range(2):
+        train_step()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        train_step()
+        times.append(time.perf_counter() - t)
+    train_peak = rss_mb("VmHWM")
+
+    with inference_ctx():
+        predict(images)
+        infer = []
+        for _ in range(args.infer_batches):
+            t = time.perf_counter()
+            predict(images)
+            infer.append(time.perf_counter() - t)
+        one = images[:1].clone()
+        for _ in range(3):
+            predict(one)
+        lat = []
+        for _ in range(args.latency_runs):
+            t = time.perf_counter()
+            predict(one)
+            lat.append(time.perf_counter() - t)
+
+    return {
+        "batch_size": B, "routing_iters": args.routing_iters,
+        "train_img_s": B / statistics.median(times), "infer_img_s": B / statistics.median(infer),
+        "latency_b1_ms": 1000 * statistics.median(lat),
+        "latency_b1_p90_ms": 1000 * sorted(lat)[math.ceil(0.9 * len(lat)) - 1],
+        "train_peak_rss_mb": train_peak, "train_rss_growth_mb": train_peak - rss_before,
+        "steps": args.steps,
+    }

@@ -17,9 +17,11 @@ without a GPU; the half-precision and stream tests are skipped then).
 import os
 import sys
 import time
-import traceback
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+from pytest_lite import expect_error, run_tests  # noqa: E402
 
 SKIP = 77
 DEVICE = os.environ.get("CAPSNET_TEST_DEVICE", "cuda")
@@ -262,15 +264,6 @@ def test_em_gradcheck_float64():
 # ------------------------------------------------------------------------------------------------
 # Errors, streams
 
-def expect_error(fn, text):
-    try:
-        fn()
-    except RuntimeError as e:
-        assert text in str(e), f"expected '{text}' in the error, got: {e}"
-        return
-    raise AssertionError(f"no error (expected '{text}')")
-
-
 def test_bad_inputs_are_refused():
     u = torch.randn(2, 6, 3, device=DEVICE)
     W = torch.randn(6, 4, 5, 3, device=DEVICE)
@@ -323,16 +316,8 @@ def main():
         return SKIP
     torch.ops.load_library(sys.argv[1])
     pattern = sys.argv[sys.argv.index("-k") + 1] if "-k" in sys.argv else ""
-    tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_") and pattern in n]
-    failed = 0
-    for name, fn in tests:
-        t = time.perf_counter()
-        try:
-            fn()
-            print(f"PASS {name} ({time.perf_counter() - t:.1f} s)", flush=True)
-        except Exception:
-            failed += 1
-            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+    tests = [f for n, f in sorted(globals().items()) if n.startswith("test_") and pattern in n]
+    failed = run_tests(tests)
     where = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     print(f"ops.cuda: {len(tests) - failed} of {len(tests)} passed on {where} (torch {torch.__version__})")
     return 1 if failed else 0

@@ -7,10 +7,13 @@ of the C++ code), torch.autograd.gradcheck in float64 for both gradient modes (s
 the argument errors.
 Exit status 0 when everything passes.
 """
+import os
 import sys
-import traceback
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+from pytest_lite import expect_error, run_tests  # noqa: E402
 
 EPS = 1e-8  # inside the squash norm, as capsnet::squash
 
@@ -137,29 +140,20 @@ def test_gradcheck():
                 assert gradcheck_mode(lambda x: reference_routing(x, r, full), lambda x: x, (u_hat,), r, full)
 
 
-def expect_runtime_error(fn, needle):
-    try:
-        fn()
-    except RuntimeError as e:
-        assert needle in str(e), f"message does not mention {needle!r}: {e}"
-        return
-    raise AssertionError(f"no RuntimeError (expected one mentioning {needle!r})")
-
-
 def test_errors():
     ops = torch.ops.capsnet
     u, W = torch.randn(2, 5, 3), torch.randn(5, 4, 6, 3)
-    expect_runtime_error(lambda: ops.capsule_routing(u, torch.randn(6, 4, 6, 3), 3, True),
+    expect_error(lambda: ops.capsule_routing(u, torch.randn(6, 4, 6, 3), 3, True),
                          "u has I = 5 input capsules but W has I = 6")
-    expect_runtime_error(lambda: ops.capsule_routing(u[0], W, 3, True), "u must be [B, I, Din]")
-    expect_runtime_error(lambda: ops.capsule_routing(u, W.double(), 3, True), "same dtype")
-    expect_runtime_error(lambda: ops.capsule_routing(u, W, 0, True), "iterations must be >= 1")
-    expect_runtime_error(lambda: ops.routing_from_predictions(torch.randn(2, 5, 4), 3, True),
+    expect_error(lambda: ops.capsule_routing(u[0], W, 3, True), "u must be [B, I, Din]")
+    expect_error(lambda: ops.capsule_routing(u, W.double(), 3, True), "same dtype")
+    expect_error(lambda: ops.capsule_routing(u, W, 0, True), "iterations must be >= 1")
+    expect_error(lambda: ops.routing_from_predictions(torch.randn(2, 5, 4), 3, True),
                          "u_hat must be [B, I, J, D]")
     # Double backward is not implemented and says so.
     u2, W2 = u.clone().requires_grad_(True), W.clone().requires_grad_(True)
     g, = torch.autograd.grad(ops.capsule_routing(u2, W2, 2, True).sum(), u2, create_graph=True)
-    expect_runtime_error(lambda: torch.autograd.grad(g.sum(), W2), "double backward")
+    expect_error(lambda: torch.autograd.grad(g.sum(), W2), "double backward")
 
 
 def test_em_ops():
@@ -185,8 +179,8 @@ def test_em_ops():
     s2 = (torch.rand(2, 2, 4, generator=g, dtype=torch.float64) + 0.3).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda a, b: ops.em_weighted_moments(a, b), (w, V))
     assert torch.autograd.gradcheck(lambda a, b, c: ops.em_scaled_distance(a, b, c), (V, mu, s2))
-    expect_runtime_error(lambda: ops.em_weighted_moments(w[:, :2], V), "weights must be")
-    expect_runtime_error(lambda: ops.em_scaled_distance(V.float(), mu, s2), "mean must have the dtype of votes")
+    expect_error(lambda: ops.em_weighted_moments(w[:, :2], V), "weights must be")
+    expect_error(lambda: ops.em_scaled_distance(V.float(), mu, s2), "mean must have the dtype of votes")
 
 
 def main():
@@ -195,16 +189,7 @@ def main():
         return 2
     torch.ops.load_library(sys.argv[1])
     print(f"torch {torch.__version__}, loaded {sys.argv[1]}")
-    failed = 0
-    for test in (test_matches_reference, test_gradcheck, test_errors, test_em_ops):
-        try:
-            test()
-            print(f"PASS {test.__name__}")
-        except Exception:  # report every test, then fail
-            failed += 1
-            print(f"FAIL {test.__name__}")
-            traceback.print_exc()
-    return 1 if failed else 0
+    return 1 if run_tests((test_matches_reference, test_gradcheck, test_errors, test_em_ops)) else 0
 
 
 if __name__ == "__main__":

@@ -15,14 +15,15 @@ import struct
 import subprocess
 import sys
 import tempfile
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "support"))
 
 import torch  # noqa: E402
 
 import capsnet  # noqa: E402
+from pytest_lite import expect_error, run_tests  # noqa: E402
 
 CLI = OPS = WORK = None
 
@@ -64,15 +65,6 @@ def close(a, b, tol, what):
     err = (a.double() - b.double()).abs().max().item()
     assert err <= tol, f"{what}: max |python - c++| = {err} > {tol}"
     return err
-
-
-def expect_error(fn, exc, needle):
-    try:
-        fn()
-    except exc as e:
-        assert needle in str(e), f"{exc.__name__} does not mention {needle!r}: {e}"
-        return
-    raise AssertionError(f"no {exc.__name__} (expected one mentioning {needle!r})")
 
 
 def weights_path():
@@ -182,13 +174,13 @@ def test_gradcheck_tiny_float64():
 
 
 def test_errors():
-    expect_error(lambda: capsnet.load(os.path.join(WORK, "nope.pt")), FileNotFoundError, "nope.pt")
+    expect_error(lambda: capsnet.load(os.path.join(WORK, "nope.pt")), "nope.pt", FileNotFoundError)
     # A training checkpoint is not a weight file.
-    expect_error(lambda: capsnet.load(os.path.join(WORK, "run", "checkpoint.pt")), ValueError, "checkpoint.pt")
+    expect_error(lambda: capsnet.load(os.path.join(WORK, "run", "checkpoint.pt")), "checkpoint.pt", ValueError)
     garbage = os.path.join(WORK, "garbage.pt")
     with open(garbage, "wb") as f:
         f.write(b"not a zip file at all")
-    expect_error(lambda: capsnet.load(garbage), ValueError, "cannot be read")
+    expect_error(lambda: capsnet.load(garbage), "cannot be read", ValueError)
     d = capsnet.read_weights(weights_path())
 
     def variant(name, change):
@@ -202,24 +194,24 @@ def test_errors():
         return lambda e: e.update(config=json.dumps(dict(json.loads(e["config"]), **kw)))
 
     wrong = variant("wrong_config.pt", set_config(primary_types=16))
-    expect_error(lambda: capsnet.load(wrong, ops_library=OPS), ValueError, "primary_caps.conv.weight")
+    expect_error(lambda: capsnet.load(wrong, ops_library=OPS), "primary_caps.conv.weight", ValueError)
     stn = variant("stn.pt", set_config(stn=True))
-    expect_error(lambda: capsnet.load(stn, ops_library=OPS), ValueError, "'stn'")
+    expect_error(lambda: capsnet.load(stn, ops_library=OPS), "'stn'", ValueError)
     off = variant("stn_off.pt", set_config(stn=False))  # a switched-off feature is the same network
     capsnet.load(off, ops_library=OPS)
     bad = variant("bad_value.pt", set_config(routing_iterations=0))
-    expect_error(lambda: capsnet.load(bad, ops_library=OPS), ValueError, "routing_iterations")
+    expect_error(lambda: capsnet.load(bad, ops_library=OPS), "routing_iterations", ValueError)
     missing = variant("missing.pt", lambda e: e["state_dict"].pop("decoder.fc2.bias"))
-    expect_error(lambda: capsnet.load(missing, ops_library=OPS), ValueError, "missing decoder.fc2.bias")
+    expect_error(lambda: capsnet.load(missing, ops_library=OPS), "missing decoder.fc2.bias", ValueError)
     extra = variant("extra.pt", lambda e: e["state_dict"].update({"stn.fc.weight": torch.zeros(2)}))
-    expect_error(lambda: capsnet.load(extra, ops_library=OPS), ValueError, "unexpected stn.fc.weight")
+    expect_error(lambda: capsnet.load(extra, ops_library=OPS), "unexpected stn.fc.weight", ValueError)
     matrix = variant("matrix.pt", lambda e: e.update(model="matrix-capsnet"))  # capsnet em's network
-    expect_error(lambda: capsnet.load(matrix, ops_library=OPS), ValueError, "matrix-capsnet")
+    expect_error(lambda: capsnet.load(matrix, ops_library=OPS), "matrix-capsnet", ValueError)
     version = variant("version.pt", lambda e: e.update(version=99))
-    expect_error(lambda: capsnet.load(version, ops_library=OPS), ValueError, "version")
-    expect_error(lambda: capsnet.find_library(os.path.join(WORK, "libnope.so")), FileNotFoundError, "libnope.so")
+    expect_error(lambda: capsnet.load(version, ops_library=OPS), "version", ValueError)
+    expect_error(lambda: capsnet.find_library(os.path.join(WORK, "libnope.so")), "libnope.so", FileNotFoundError)
     model = capsnet.load(weights_path(), ops_library=OPS)
-    expect_error(lambda: model(torch.rand(2, 1, 20, 20)), ValueError, "[B, 1, 28, 28]")
+    expect_error(lambda: model(torch.rand(2, 1, 20, 20)), "[B, 1, 28, 28]", ValueError)
     # The CLI side.
     out = run("export", "--checkpoint", os.path.join(WORK, "absent.pt"), "--out", os.path.join(WORK, "x.pt"),
               expect_ok=False)
@@ -243,16 +235,8 @@ def main():
     with tempfile.TemporaryDirectory(prefix="capsnet_interop_") as work:
         WORK = work
         setup()
-        failed = 0
-        for test in (test_file_layout, test_matches_cpp, test_shipped_model, test_fused_equals_reference_with_gradients,
-                     test_gradcheck_tiny_float64, test_errors):
-            try:
-                test()
-                print(f"PASS {test.__name__}")
-            except Exception:  # report every test, then fail
-                failed += 1
-                print(f"FAIL {test.__name__}")
-                traceback.print_exc()
+        failed = run_tests((test_file_layout, test_matches_cpp, test_shipped_model,
+                            test_fused_equals_reference_with_gradients, test_gradcheck_tiny_float64, test_errors))
     return 1 if failed else 0
 
 
