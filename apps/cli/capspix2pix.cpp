@@ -38,15 +38,10 @@ struct Pix2pixFlags : ImageExperimentFlags {
 
 // --out, the optimizer, seeds and the held-out maps.
 void add_capspix2pix_training_flags(CLI::App* app, Pix2pixFlags* f) {
-  app->add_option("--out", f->o.loop.out_dir, "Output directory")->capture_default_str();
-  app->add_option("--steps", f->o.loop.max_steps,
-                  "Training steps (each: one D and one G update on newly generated maps)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app->add_option("--batch-size", f->o.loop.batch_size, "Training batch size")->capture_default_str();
-  app->add_option("--lr", f->o.loop.lr, "Adam learning rate of both networks (beta1 = 0.5)")->capture_default_str();
-  app->add_option("--seed", f->o.loop.seed, "Seed of the initialisation, the training maps and the training noise")
-      ->capture_default_str();
+  add_run_flags(*app, f->o.loop,
+                {"Training steps (each: one D and one G update on newly generated maps)",
+                 "Adam learning rate of both networks (beta1 = 0.5)",
+                 "Seed of the initialisation, the training maps and the training noise"});
   app->add_option("--test-seed", f->test_seed, "Seed of the held-out maps (from the test split)")
       ->capture_default_str();
   app->add_option("--test-size", f->o.test_size, "Held-out maps to score")
@@ -66,9 +61,6 @@ void add_capspix2pix_model_flags(CLI::App* app, Pix2pixFlags* f) {
 void add_capspix2pix_run_flags(CLI::App* app, Pix2pixFlags* f) {
   app->add_option("--max-minutes", f->max_minutes,
                   "Wall-clock training budget in minutes (0 = none); the model is evaluated where it stopped")
-      ->capture_default_str();
-  app->add_option("--log-every", f->o.loop.log_every, "Steps between metrics records")->capture_default_str();
-  app->add_option("--checkpoint-every", f->o.loop.checkpoint_every, "Steps between checkpoints (0 = at the end)")
       ->capture_default_str();
   app->add_option("--figure-rows", f->figure_rows, "Held-out maps in capspix2pix_compare.png (0 = no figures)")
       ->capture_default_str();

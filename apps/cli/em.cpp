@@ -30,15 +30,10 @@ struct EmFlags {
   double max_minutes = 0;
 };
 
-// --out, the optimizer, the spread-loss margins and the data's size and augmentation.
+// The run's flags (add_run_flags), the optimizer's, the spread-loss margins, the data's size and augmentation.
 void add_em_training_flags(CLI::App* app, EmFlags& f) {
   auto& o = f.o;
-  app->add_option("--out", o.loop.out_dir, "Output directory")->capture_default_str();
-  app->add_option("--steps", o.loop.max_steps, "Optimizer steps")->check(CLI::PositiveNumber)->capture_default_str();
-  app->add_option("--batch-size", o.loop.batch_size, "Training batch size")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app->add_option("--lr", o.loop.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  add_run_flags(*app, o.loop, {});
   app->add_option("--weight-decay", o.loop.weight_decay, "Adam weight decay (L2)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
@@ -60,10 +55,6 @@ void add_em_training_flags(CLI::App* app, EmFlags& f) {
       ->capture_default_str();
   app->add_option("--test-size", o.test_size, "First test examples evaluated (0 = none)")
       ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app->add_option("--seed", o.loop.seed, "Seed of the initialisation and the example order")->capture_default_str();
-  app->add_option("--log-every", o.loop.log_every, "Steps between metrics records")
-      ->check(CLI::PositiveNumber)
       ->capture_default_str();
 }
 
@@ -136,8 +127,6 @@ void add_em_run_flags(CLI::App* app, EmFlags& f) {
   app->add_option("--eval-every", o.loop.eval_every,
                   "Also evaluate the first --test-size test images every N steps (0 = only at the end)")
       ->capture_default_str();
-  app->add_option("--checkpoint-every", o.loop.checkpoint_every, "Steps between checkpoints (0 = at the end)")
-      ->capture_default_str();
   app->add_option("--max-minutes", f.max_minutes,
                   "Wall-clock training budget in minutes (0 = none); evaluated where it stopped (the margin "
                   "schedule still spans --steps)")
@@ -165,7 +154,7 @@ nlohmann::json em_summary(const EmFlags& f, const std::string& dir, const experi
                             {"train_images_per_second", r.images_per_second},
                             {"final_train_loss", r.losses.empty() ? 0.0 : r.losses.back()},
                             {"final_train_accuracy", r.final_train_accuracy},
-                            {"model_path", r.model_path},
+                            {"model_path", r.checkpoint},
                             {"threads", at::get_num_threads()}};
   if (r.test.examples > 0) {
     summary["test_examples"] = r.test.examples;

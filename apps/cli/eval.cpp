@@ -31,21 +31,14 @@ struct EvalFlags {
 
 /// The network of a checkpoint or weight file, as eval scores it.
 struct ScoredModel {
-  std::string kind;  // train::kCapsNetModel, kMatrixCapsNetModel or kBaselineCnnModel
-  int64_t image_size = 0, image_channels = 0;
-  train::InputSpec spec;
+  train::LoadedModel net;  // kind, network, input spec
   std::string loss_name;  // how the text output names the loss: "" or "spread " (EM)
   std::function<train::EvalResult(const data::ImageSet&, int64_t batch_size, std::ostream* progress)> evaluate;
 };
 
 ScoredModel load_scored_model(const std::string& path, Precision precision) {
-  auto loaded = train::load_any_model(path);
-  loaded.set_precision(precision);
-  ScoredModel m;
-  m.kind = loaded.kind;
-  m.image_size = loaded.image_size;
-  m.image_channels = loaded.image_channels;
-  m.spec = std::move(loaded.spec);
+  ScoredModel m{train::load_any_model(path)};
+  m.net.set_precision(precision);
   std::visit(
       [&m](auto model) {
         if constexpr (std::is_same_v<decltype(model), models::MatrixCapsNet>) {
@@ -66,21 +59,21 @@ ScoredModel load_scored_model(const std::string& path, Precision precision) {
           };
         }
       },
-      loaded.network);
+      m.net.network);
   return m;
 }
 
 /// Any labelled IDX set whose side matches the model, e.g. a generated 40x40 test set.
 data::ImageSet idx_eval_set(const EvalFlags& f, const ScoredModel& m) {
-  if (m.image_channels != 1)
+  if (m.net.image_channels() != 1)
     throw std::invalid_argument(
-        fmt::format("{}: IDX images have 1 channel, but the model takes {}", f.images, m.image_channels));
+        fmt::format("{}: IDX images have 1 channel, but the model takes {}", f.images, m.net.image_channels()));
   auto set = data::take(data::load_idx_set(f.images, f.labels), f.limit);
-  if (set.images.size(1) != m.image_size)
+  if (set.images.size(1) != m.net.image_size())
     throw std::invalid_argument(fmt::format("{}: images are {}x{}, but the model {} takes {}x{}", f.images,
-                                            set.images.size(1), set.images.size(2), f.checkpoint, m.image_size,
-                                            m.image_size));
-  const auto classes = static_cast<int64_t>(m.spec.class_names.size());
+                                            set.images.size(1), set.images.size(2), f.checkpoint, m.net.image_size(),
+                                            m.net.image_size()));
+  const auto classes = static_cast<int64_t>(m.net.spec.class_names.size());
   if (set.size() > 0 && set.labels.max().item<int64_t>() >= classes)
     throw std::invalid_argument(fmt::format("{}: label {} is not a class of the model ({} classes)", f.labels,
                                             set.labels.max().item<int64_t>(), classes));
@@ -90,20 +83,20 @@ data::ImageSet idx_eval_set(const EvalFlags& f, const ScoredModel& m) {
 /// A split of an image folder, read at the model's side and (unless given) with the fit and split it was
 /// trained with.
 data::ImageSet folder_eval_set(EvalFlags& f, const CLI::App& app, const ScoredModel& m) {
-  const auto& spec = m.spec;
-  if (m.kind == train::kMatrixCapsNetModel)
+  const auto& spec = m.net.spec;
+  if (m.net.kind == train::kMatrixCapsNetModel)
     throw std::invalid_argument(fmt::format(
         "{}: matrix-capsule models are evaluated on IDX data (--dataset mnist or fashion-mnist)", f.checkpoint));
   auto& d = f.data;
-  d.folder.image_size = m.image_size;
+  d.folder.image_size = m.net.image_size();
   if (!app.count("--image-fit")) d.fit = spec.image_fit;
   if (!app.count("--test-fraction")) d.folder.test_fraction = spec.test_fraction;
   if (!app.count("--split-seed")) d.folder.split_seed = spec.split_seed;
   auto loaded = load_labelled_data(d, f.split == "train", f.split == "test", f.limit, f.limit,
                                    f.json ? std::cerr : std::cout);
-  if (loaded.channels != m.image_channels)
+  if (loaded.channels != m.net.image_channels())
     throw std::invalid_argument(fmt::format("{}: images with {} channel(s), but the model takes {}", d.dir,
-                                            loaded.channels, m.image_channels));
+                                            loaded.channels, m.net.image_channels()));
   if (loaded.class_names != spec.class_names)
     throw std::invalid_argument(fmt::format("{}: classes ({}) differ from the model's ({})", d.dir,
                                             fmt::join(loaded.class_names, ", "), fmt::join(spec.class_names, ", ")));
@@ -116,19 +109,19 @@ data::ImageSet folder_eval_set(EvalFlags& f, const CLI::App& app, const ScoredMo
 data::ImageSet eval_set(EvalFlags& f, const CLI::App& app, const ScoredModel& m) {
   if (!f.images.empty()) return idx_eval_set(f, m);
   if (f.data.is_folder()) return folder_eval_set(f, app, m);
-  if (m.image_size != 28)
+  if (m.net.image_size() != 28)
     throw std::invalid_argument(fmt::format("{}: the model takes {}x{} images, but --dataset is 28x28; score a set "
                                             "of its side with --images/--labels (e.g. from capsnet affine "
                                             "--write-sets)",
-                                            f.checkpoint, m.image_size, m.image_size));
+                                            f.checkpoint, m.net.image_size(), m.net.image_size()));
   auto split = f.split == "train" ? data::Split::kTrain : data::Split::kTest;
   return data::take(data::load_mnist(f.data.resolved(), split), f.limit);
 }
 
 void print_eval(const EvalFlags& f, const ScoredModel& m, const std::string& split_name, const train::EvalResult& r) {
-  const auto& spec = m.spec;
+  const auto& spec = m.net.spec;
   if (f.json) {
-    nlohmann::json j = {{"checkpoint", f.checkpoint}, {"model", m.kind},  {"split", split_name},
+    nlohmann::json j = {{"checkpoint", f.checkpoint}, {"model", m.net.kind},  {"split", split_name},
                         {"examples", r.examples},     {"accuracy", r.accuracy}, {"error", 1 - r.accuracy},
                         {"loss", r.loss},             {"classes", spec.class_names}};
     auto c = r.confusion.accessor<int64_t, 2>();

@@ -65,6 +65,22 @@ void add_loop_flags(CLI::App& app, LoopFlags& f) {
       ->capture_default_str();
 }
 
+void add_run_flags(CLI::App& app, train::LoopOptions& loop, const RunFlagsHelp& help) {
+  app.add_option("--out", loop.out_dir, "Output directory")->capture_default_str();
+  app.add_option("--steps", loop.max_steps, help.steps)->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--batch-size", loop.batch_size, "Training batch size")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--lr", loop.lr, help.lr)->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--seed", loop.seed, help.seed)->capture_default_str();
+  app.add_option("--log-every", loop.log_every, "Steps between metrics records")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--checkpoint-every", loop.checkpoint_every, "Steps between checkpoints (0 = at the end)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+}
+
 int run_training_command(const LoopFlags& f, const std::string& out_dir, int64_t batch_size,
                          const std::function<int(std::shared_ptr<train::ProcessGroup>)>& body) {
   if (f.threads > 0) set_threads(f.threads);

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include "capsnet/train/loop.h"
 #include "apps/cli/commands.h"
 
 namespace capsnet::train {
@@ -40,6 +41,18 @@ struct ImageExperimentFlags {
 
 /// Registers --resume, --overwrite, --no-progress, --threads, --nproc and --dist-timeout.
 void add_loop_flags(CLI::App& app, LoopFlags& flags);
+
+/// How a step-counted experiment describes the run flags that differ in meaning between them.
+struct RunFlagsHelp {
+  std::string steps = "Optimizer steps";
+  std::string lr = "Adam learning rate";
+  std::string seed = "Seed of the initialisation and the example order";
+};
+
+/// Registers the run's own options on `loop`: --out, --steps, --batch-size, --lr, --seed, --log-every and
+/// --checkpoint-every (0 = at the end). Used by the experiments that count steps (em, multimnist, segcaps,
+/// capspix2pix); `capsnet train` counts epochs and registers its own.
+void add_run_flags(CLI::App& app, train::LoopOptions& loop, const RunFlagsHelp& help);
 
 /// Runs a training command: sets the threads, refuses an --out that holds another run (unless
 /// resuming or --overwrite), then either launches flags.nproc copies of this command line (returns

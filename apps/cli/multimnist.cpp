@@ -171,21 +171,14 @@ Subcommand add_multimnist(CLI::App& root) {
       "Train and evaluate a CapsNet (or the baseline CNN) on MultiMNIST: two overlapping digits in 36x36, both "
       "must be found (writes multimnist.json, multimnist.png, metrics.jsonl, checkpoint.pt in --out)");
   add_data_flags(*app, f->data);
-  app->add_option("--out", f->o.loop.out_dir, "Output directory")->capture_default_str();
-  app->add_option("--steps", f->o.loop.max_steps, "Optimizer steps (each on new generated pairs)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app->add_option("--batch-size", f->o.loop.batch_size, "Training batch size")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app->add_option("--lr", f->o.loop.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  add_run_flags(*app, f->o.loop,
+                {"Optimizer steps (each on new generated pairs)", "Adam learning rate",
+                 "Seed of the model initialisation and of the training pairs"});
   app->add_option("--lr-decay", f->o.loop.lr_decay, "Learning-rate factor per 60,000 training pairs, in (0, 1]")
       ->check(CLI::Range(1e-9, 1.0))
       ->capture_default_str();
   app->add_option("--test-size", f->o.test_size, "Generated test pairs to evaluate (from the test split)")
       ->check(CLI::Range(int64_t{1}, int64_t{100000000}))
-      ->capture_default_str();
-  app->add_option("--seed", f->o.loop.seed, "Seed of the model initialisation and of the training pairs")
       ->capture_default_str();
   app->add_option("--test-seed", f->test_seed, "Seed of the test pairs (fixed, so runs share one test set)")
       ->capture_default_str();
@@ -211,12 +204,6 @@ Subcommand add_multimnist(CLI::App& root) {
       ->capture_default_str();
   app->add_option("--primary-types", f->o.model.primary_types, "PrimaryCaps capsule types (paper: 32)")
       ->check(CLI::Range(1, 1024))
-      ->capture_default_str();
-  app->add_option("--log-every", f->o.loop.log_every, "Steps between metrics records")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app->add_option("--checkpoint-every", f->o.loop.checkpoint_every, "Steps between checkpoints (0 = only at the end)")
-      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app->add_flag("--eval-only", f->eval_only, "Evaluate --checkpoint instead of training");
   app->add_option("--checkpoint", f->checkpoint, "Checkpoint for --eval-only (default: OUT/checkpoint.pt)");

@@ -61,8 +61,8 @@ std::string csv_field(const std::string& s) {
 /// class's score and pose. CapsNet scores are capsule lengths |v|, matrix capsules' (capsnet em) their
 /// activations a, the baseline CNN's its softmax probabilities p (no pose); the prediction is the largest.
 struct Classifier {
-  int64_t side = 0, channels = 1, pose_dim = 0;
-  train::InputSpec spec;
+  train::LoadedModel net;  // kind, network, input spec
+  int64_t pose_dim = 0;
   std::string score;       // "length" | "activation" | "probability": the name of the score in every output format
   std::string score_sign;  // how the text format writes it: "|v|" | "a" | "p"
   std::string scores;      // the plural: the JSON key and text label of all classes' scores
@@ -71,12 +71,8 @@ struct Classifier {
 };
 
 Classifier load_classifier(const std::string& path, Precision precision) {
-  auto loaded = train::load_any_model(path);
-  loaded.set_precision(precision);
-  Classifier c;
-  c.side = loaded.image_size;
-  c.channels = loaded.image_channels;
-  c.spec = std::move(loaded.spec);
+  Classifier c{train::load_any_model(path)};
+  c.net.set_precision(precision);
   std::visit(
       [&c](auto model) {
         using Model = decltype(model);
@@ -108,7 +104,7 @@ Classifier load_classifier(const std::string& path, Precision precision) {
           };
         }
       },
-      loaded.network);
+      c.net.network);
   return c;
 }
 
@@ -210,12 +206,12 @@ class Predictor {
   Predictor(const PredictFlags& f, const Classifier& model, std::ostream& out, std::string out_name)
       : f_(f),
         model_(model),
-        fit_(data::parse_fit(f.fit.empty() ? model.spec.image_fit : f.fit)),
+        fit_(data::parse_fit(f.fit.empty() ? model.net.spec.image_fit : f.fit)),
         // Digit models were trained on white-on-black: a light grey background means a scan to invert.
-        digit_model_(model.spec.dataset != "image-folder"),
+        digit_model_(model.net.spec.dataset != "image-folder"),
         out_(out),
         out_name_(std::move(out_name)),
-        writer_(out, f.format, model.spec.class_names, f.pose, model) {}
+        writer_(out, f.format, model.net.spec.class_names, f.pose, model) {}
 
   /// An image file joins the pending batch; an IDX file is classified at once, batch by batch.
   void add(const Source& s) {
@@ -269,7 +265,8 @@ class Predictor {
   void flush_files() {
     if (pending_.empty()) return;
     std::vector<std::string> errors;
-    auto images = data::load_image_files(pending_, model_.channels, model_.side, fit_, &errors);  // [n, C, S, S]
+    // images: [n, C, S, S]
+    auto images = data::load_image_files(pending_, model_.net.image_channels(), model_.net.image_size(), fit_, &errors);
     std::vector<int64_t> good;
     std::vector<std::string> names;
     for (size_t i = 0; i < pending_.size(); ++i) {
@@ -283,7 +280,7 @@ class Predictor {
     pending_.clear();
     if (good.empty()) return;
     if (good.size() < errors.size()) images = images.index_select(0, torch::tensor(good));
-    if (model_.channels == 1 && (f_.invert == "yes" || (f_.invert == "auto" && digit_model_))) {
+    if (model_.net.image_channels() == 1 && (f_.invert == "yes" || (f_.invert == "auto" && digit_model_))) {
       for (int64_t i = 0; i < images.size(0); ++i) {
         const bool light = images[i].to(torch::kFloat).mean().item<double>() > 127.5;
         if (f_.invert == "yes" || light) images[i] = 255 - images[i];
@@ -293,7 +290,7 @@ class Predictor {
   }
 
   void classify_idx(const std::string& path) {
-    const int64_t side = model_.side, channels = model_.channels;
+    const int64_t side = model_.net.image_size(), channels = model_.net.image_channels();
     torch::Tensor images;
     try {
       images = data::read_idx(path, f_.limit);  // only the rows used (--limit)

@@ -50,16 +50,9 @@ struct SegCapsFlags : ImageExperimentFlags {
 
 // --out, the optimizer, seeds and the test set.
 void add_segcaps_training_flags(CLI::App* app, SegCapsFlags* f) {
-  app->add_option("--out", f->o.loop.out_dir, "Output directory")->capture_default_str();
-  app->add_option("--steps", f->o.loop.max_steps, "Adam steps (each on newly generated images)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app->add_option("--batch-size", f->o.loop.batch_size, "Training batch size")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app->add_option("--lr", f->o.loop.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
-  app->add_option("--seed", f->o.loop.seed, "Seed of the model initialisation and the training images")
-      ->capture_default_str();
+  add_run_flags(*app, f->o.loop,
+                {"Adam steps (each on newly generated images)", "Adam learning rate",
+                 "Seed of the model initialisation and the training images"});
   app->add_option("--test-seed", f->test_seed, "Seed of the test images (from the test split)")->capture_default_str();
   app->add_option("--test-size", f->o.test_size, "Generated test images to evaluate")
       ->check(CLI::Range(int64_t{1}, int64_t{1000000}))
@@ -118,16 +111,11 @@ void add_segcaps_run_flags(CLI::App* app, SegCapsFlags* f) {
                   "Wall-clock training budget in minutes (0 = none); the model is evaluated where it stopped")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app->add_option("--log-every", f->o.loop.log_every, "Steps between metrics records")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
   app->add_option("--figure-rows", f->figure_rows, "Test examples in segcaps.png (0 = no figure)")
       ->check(CLI::Range(int64_t{0}, int64_t{100}))
       ->capture_default_str();
   app->add_flag("--composite-routing", f->composite_routing,
                 "Route with the composite ATen path instead of the fused operator (same math)");
-  app->add_option("--checkpoint-every", f->o.loop.checkpoint_every, "Steps between checkpoints (0 = at the end)")
-      ->capture_default_str();
   add_training_precision_flag(*app, f->precision);
   app->get_option("--precision")
       ->description(

@@ -283,11 +283,8 @@ Pix2pixTrainResult train_pix2pix(const Pix2pixTrainOptions& options, const data:
   Pix2pixTask task(options, train_set, test_set);
   auto r = train::run(task, options.loop, log);
   Pix2pixTrainResult result;
+  static_cast<train::RunStats&>(result) = train::RunStats::of(r);
   result.model = task.model_;
-  result.steps = r.end_step;
-  result.seconds = r.seconds;
-  result.images_per_second = r.images_per_second;
-  result.losses = std::move(r.losses);
   // A resume of a finished run trains no step and so never evaluates: do it here.
   result.test = r.evaluation ? task.last_
                              : evaluate_pix2pix(task.model_, test_set, options.test_size, options.eval_batch_size,

@@ -89,11 +89,9 @@ LabelConsistency label_consistency(models::Pix2pix& model, models::CapsNet& clas
 /// The classifier's predicted classes for images in [0, 1] of any size: [B, 1, H, W] -> [B] int64.
 torch::Tensor classify_resized(models::CapsNet& classifier, const torch::Tensor& images01);
 
-struct Pix2pixTrainResult {
+/// The run's statistics (losses: the generator loss of every step) and:
+struct Pix2pixTrainResult : train::RunStats {
   models::Pix2pix model{nullptr};
-  int64_t steps = 0;
-  double seconds = 0, images_per_second = 0;
-  std::vector<double> losses;  // generator loss of every step of this run
   Pix2pixEval test;
 };
 

@@ -183,18 +183,13 @@ EmTrainResult train_em(const EmTrainOptions& options, const data::ImageSet& trai
   EmTask task(options, train_set, test_set);
   auto r = train::run(task, options.loop, log, std::move(group));
   EmTrainResult result;
+  static_cast<train::RunStats&>(result) = train::RunStats::of(r);
   result.model = task.model_;
-  result.steps = r.end_step;
-  result.images_seen = r.images;
-  result.seconds = r.seconds;
-  result.images_per_second = r.images_per_second;
-  result.losses = std::move(r.losses);
   // Training accuracy over the last log_every steps (what the last "train" record shows).
   const auto tail = std::min<size_t>(r.accuracies.size(), static_cast<size_t>(options.loop.log_every));
   for (size_t i = r.accuracies.size() - tail; i < r.accuracies.size(); ++i)
     result.final_train_accuracy += r.accuracies[i] / static_cast<double>(tail);
   result.test = task.last_;
-  result.model_path = r.checkpoint;
   return result;
 }
 

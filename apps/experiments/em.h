@@ -64,14 +64,11 @@ struct EmEval {
   torch::Tensor confusion;  // [K, K] int64, rows = true label, columns = prediction
 };
 
-struct EmTrainResult {
+/// The run's statistics (losses: the spread loss of every step; checkpoint: OUT/checkpoint.pt) and:
+struct EmTrainResult : train::RunStats {
   models::MatrixCapsNet model{nullptr};  // as trained, in the run's precision
-  int64_t steps = 0, images_seen = 0;
-  double seconds = 0, images_per_second = 0;
-  std::vector<double> losses;  // spread loss of every step
-  double final_train_accuracy = 0;  // over the last log_every steps
-  EmEval test;                      // examples == 0 when test_size == 0 or no test set
-  std::string model_path;           // OUT/checkpoint.pt (model, Adam state, step: resumable)
+  double final_train_accuracy = 0;       // over the last log_every steps
+  EmEval test;                           // examples == 0 when test_size == 0 or no test set
 };
 
 /// Images [N, H, W] uint8 -> [N, 1, H, W] float in [0, 1].

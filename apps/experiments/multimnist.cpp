@@ -337,13 +337,8 @@ MultiMnistTrainResult train_multimnist(const MultiMnistTrainOptions& options, co
     task = std::make_unique<MultiMnistTask>(options, train_pairs, test_pairs);
   auto r = train::run(*task, options.loop, log, std::move(group));
   MultiMnistTrainResult result;
-  result.steps = r.end_step;
-  result.images_seen = r.images;
-  result.seconds = r.seconds;
-  result.images_per_second = r.images_per_second;
-  result.losses = std::move(r.losses);
+  static_cast<train::RunStats&>(result) = train::RunStats::of(r);
   result.test = std::move(task->last_);
-  result.checkpoint = r.checkpoint;
   if (!result.losses.empty()) {
     auto mean = [](const std::vector<double>& v) {
       double s = 0;

@@ -109,14 +109,9 @@ MultiMnistEval evaluate_multimnist(models::CapsNet& model, const data::MultiMnis
 MultiMnistEval evaluate_multimnist(models::BaselineCnn& model, const data::MultiMnist& pairs, int64_t count,
                                    int64_t batch_size, std::ostream* progress = nullptr);
 
-struct MultiMnistTrainResult {
-  int64_t steps = 0;        // steps taken in total (including those before a resume)
-  int64_t images_seen = 0;  // pairs trained on by this run
-  double seconds = 0;            // wall time of the optimisation steps
-  double images_per_second = 0;
-  std::vector<double> losses;    // total loss of every step, in order
+/// The run's statistics (images_seen: pairs) and:
+struct MultiMnistTrainResult : train::RunStats {
   std::optional<MultiMnistEval> test;
-  std::string checkpoint;        // path of the checkpoint written at the end
 };
 
 /// Trains the model options.which names (a CapsNet or the baseline CNN) with Adam on pairs

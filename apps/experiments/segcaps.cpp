@@ -152,11 +152,8 @@ SegCapsTrainResult train_segcaps(const SegCapsTrainOptions& options, const data:
   SegCapsTask task(options, train_set, test_set);
   auto r = train::run(task, options.loop, log, std::move(group));
   SegCapsTrainResult result;
+  static_cast<train::RunStats&>(result) = train::RunStats::of(r);
   result.model = task.model_;
-  result.steps = r.end_step;
-  result.seconds = r.seconds;
-  result.images_per_second = r.images_per_second;
-  result.losses = std::move(r.losses);
   result.test = task.last_;
   return result;
 }

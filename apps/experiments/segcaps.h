@@ -67,11 +67,9 @@ struct ThresholdBaseline {
 ThresholdBaseline threshold_baseline(const data::DigitSegmentation& tune, int64_t tune_count,
                                      const data::DigitSegmentation& test, int64_t count);
 
-struct SegCapsTrainResult {
+/// The run's statistics (steps: fewer than options.loop.max_steps when loop.max_seconds stopped training) and:
+struct SegCapsTrainResult : train::RunStats {
   models::SegCaps model{nullptr};
-  int64_t steps = 0;  // steps actually run (fewer than options.loop.max_steps when loop.max_seconds stopped training)
-  double seconds = 0, images_per_second = 0;
-  std::vector<double> losses;  // the loss of every step of this run
   SegmentationEval test;
 };
 

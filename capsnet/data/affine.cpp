@@ -159,20 +159,11 @@ BoundingBox bounding_box(const torch::Tensor& image) {
   return box_of(mask.accessor<uint8_t, 2>());
 }
 
-AffineParams draw_affine_params(uint64_t seed, int64_t index, const BoundingBox& box, int64_t src_h, int64_t src_w,
-                                int64_t canvas, const AffineRanges& ranges) {
-  ranges.validate();
-  if (canvas <= 0) throw std::invalid_argument(fmt::format("draw_affine_params: canvas must be positive, got {}", canvas));
-  Stream rng(seed, static_cast<uint64_t>(index));
-  AffineParams p;
-  p.rotation_deg = rng.uniform(-ranges.max_rotation_deg, ranges.max_rotation_deg);
-  p.shear = rng.uniform(-ranges.max_shear, ranges.max_shear);
-  p.scale_x = rng.uniform(ranges.min_scale, ranges.max_scale);
-  p.scale_y = rng.uniform(ranges.min_scale, ranges.max_scale);
-  const double ux = rng.uniform(), uy = rng.uniform();  // always drawn: the stream layout never changes
-  if (box.empty()) return p;
+void place_inside_canvas(AffineParams& p, const BoundingBox& box, int64_t src_h, int64_t src_w, int64_t canvas,
+                         double ux, double uy) {
   // Where the box, grown by the 1 px bilinear footprint, lands with t = 0; then the translations
-  // that keep it inside [0, canvas - 1] on both axes.
+  // that keep it inside [0, canvas - 1] on both axes: lo + t >= 0 and hi + t <= canvas - 1.
+  p.tx = p.ty = 0;
   const auto A = affine_matrix(p, src_h, src_w, canvas, canvas);
   double lo_x = 1e300, hi_x = -1e300, lo_y = 1e300, hi_y = -1e300;
   for (double x : {box.x0 - 1.0, box.x1 + 1.0})
@@ -187,6 +178,20 @@ AffineParams draw_affine_params(uint64_t seed, int64_t index, const BoundingBox&
   };
   p.tx = pick(lo_x, hi_x, ux);
   p.ty = pick(lo_y, hi_y, uy);
+}
+
+AffineParams draw_affine_params(uint64_t seed, int64_t index, const BoundingBox& box, int64_t src_h, int64_t src_w,
+                                int64_t canvas, const AffineRanges& ranges) {
+  ranges.validate();
+  if (canvas <= 0) throw std::invalid_argument(fmt::format("draw_affine_params: canvas must be positive, got {}", canvas));
+  Stream rng(seed, static_cast<uint64_t>(index));
+  AffineParams p;
+  p.rotation_deg = rng.uniform(-ranges.max_rotation_deg, ranges.max_rotation_deg);
+  p.shear = rng.uniform(-ranges.max_shear, ranges.max_shear);
+  p.scale_x = rng.uniform(ranges.min_scale, ranges.max_scale);
+  p.scale_y = rng.uniform(ranges.min_scale, ranges.max_scale);
+  const double ux = rng.uniform(), uy = rng.uniform();  // always drawn: the stream layout never changes
+  if (!box.empty()) place_inside_canvas(p, box, src_h, src_w, canvas, ux, uy);
   return p;
 }
 

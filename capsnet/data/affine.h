@@ -69,6 +69,12 @@ struct BoundingBox {
 /// image: [H, W] (any dtype). Pixels > 0 count as digit.
 BoundingBox bounding_box(const torch::Tensor& image);
 
+/// Sets p.tx, p.ty (canvas pixels) from uniforms ux, uy in [0, 1): a translation uniform over those that
+/// keep `box` of the src_h x src_w source, grown by the 1 px bilinear footprint and warped by `p`, inside
+/// the canvas x canvas output; a box too large to fit is centred instead. `box` must not be empty.
+void place_inside_canvas(AffineParams& p, const BoundingBox& box, int64_t src_h, int64_t src_w, int64_t canvas,
+                         double ux, double uy);
+
 /// The affNIST-style map of example `index` under `seed`: rotation, shear and scales drawn from
 /// `ranges`, then a translation uniform over the positions that keep the warped digit's bounding box
 /// (grown by the 1 px bilinear footprint) inside the canvas; a digit too large to fit is centred

@@ -69,22 +69,7 @@ AffineParams draw_distortion(uint64_t seed, int64_t n, const BoundingBox& box_in
   p.scale_x = p.scale_y = ranges.min_scale + (ranges.max_scale - ranges.min_scale) * uniform01(seed, n, 1, 1);
   BoundingBox box = box_in;
   if (box.empty()) box = BoundingBox{0, 0, src_w - 1, src_h - 1};
-  // With t = 0, where do the corners of the box (grown by one pixel: the bilinear footprint) land?
-  const auto A = affine_matrix(p, src_h, src_w, canvas, canvas);
-  double lo_x = 1e300, hi_x = -1e300, lo_y = 1e300, hi_y = -1e300;
-  for (double x : {box.x0 - 1.0, box.x1 + 1.0})
-    for (double y : {box.y0 - 1.0, box.y1 + 1.0}) {
-      const double qx = A[0] * x + A[1] * y + A[2], qy = A[3] * x + A[4] * y + A[5];
-      lo_x = std::min(lo_x, qx), hi_x = std::max(hi_x, qx);
-      lo_y = std::min(lo_y, qy), hi_y = std::max(hi_y, qy);
-    }
-  // Allowed t: lo + t >= 0 and hi + t <= canvas - 1.
-  auto pick = [&](double lo, double hi, double u) {
-    const double t_min = -lo, t_max = (canvas - 1) - hi;
-    return t_min <= t_max ? t_min + u * (t_max - t_min) : (t_min + t_max) / 2;
-  };
-  p.tx = pick(lo_x, hi_x, uniform01(seed, n, 1, 2));
-  p.ty = pick(lo_y, hi_y, uniform01(seed, n, 1, 3));
+  place_inside_canvas(p, box, src_h, src_w, canvas, uniform01(seed, n, 1, 2), uniform01(seed, n, 1, 3));
   return p;
 }
 

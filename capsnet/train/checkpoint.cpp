@@ -418,45 +418,45 @@ CheckpointMeta meta_of_kind(const std::string& path, const char* wanted) {
   return meta;
 }
 
-}  // namespace
-
-models::CapsNet load_model(const std::string& path) {
-  // A shipped / exported weight file (weights and config only) serves wherever a model is needed.
-  if (auto weights = try_read_weights(path)) return model_from_weights(*weights, path);
-  const auto meta = meta_of_kind(path, kCapsNetModel);
-  const auto config =
-      parse_config<models::CapsNetConfig, CheckpointError>(meta.model_config, fmt::format("checkpoint {}", path));
-  models::CapsNet model(config);
-  load_checkpoint(path, model, nullptr);
+// The network of the checkpoint `path` whose meta (already read) is `meta`, weights loaded, eval mode. The
+// stored config is compared through from_json, as a resume compares it (for EM: a config without the newer
+// routing keys means the earlier routing).
+template <class Model, class Config>
+Model network_from_checkpoint(const std::string& path, const CheckpointMeta& meta) {
+  const auto config = parse_config<Config, CheckpointError>(meta.model_config, fmt::format("checkpoint {}", path));
+  Model model(config);
+  load_checkpoint(path, *model, nullptr,
+                  [&](const nlohmann::json& saved) { return Config::from_json(saved).to_json() == config.to_json(); });
   model->eval();
   return model;
+}
+
+}  // namespace
+
+// A shipped / exported weight file (weights and config only) serves wherever a model is needed.
+models::CapsNet load_model(const std::string& path) {
+  if (auto weights = try_read_weights(path)) return model_from_weights(*weights, path);
+  return network_from_checkpoint<models::CapsNet, models::CapsNetConfig>(path, meta_of_kind(path, kCapsNetModel));
 }
 
 models::MatrixCapsNet load_matrix_model(const std::string& path) {
   if (auto weights = try_read_weights(path)) return matrix_model_from_weights(*weights, path);
-  const auto meta = meta_of_kind(path, kMatrixCapsNetModel);
-  const auto config =
-      parse_config<models::MatrixCapsNetConfig, CheckpointError>(meta.model_config, fmt::format("checkpoint {}", path));
-  models::MatrixCapsNet model(config);
-  // Through from_json, as a resume compares them: a config without the newer routing keys means the earlier routing.
-  load_checkpoint(path, *model, nullptr, [&](const nlohmann::json& saved) {
-    return models::MatrixCapsNetConfig::from_json(saved).to_json() == config.to_json();
-  });
-  model->eval();
-  return model;
+  return network_from_checkpoint<models::MatrixCapsNet, models::MatrixCapsNetConfig>(
+      path, meta_of_kind(path, kMatrixCapsNetModel));
 }
 
 models::BaselineCnn load_baseline_cnn(const std::string& path) {
   if (auto weights = try_read_weights(path)) return baseline_cnn_from_weights(*weights, path);
-  const auto meta = meta_of_kind(path, kBaselineCnnModel);
-  const auto config =
-      parse_config<models::BaselineCnnConfig, CheckpointError>(meta.model_config, fmt::format("checkpoint {}", path));
-  models::BaselineCnn model(config);
-  load_checkpoint(path, *model, nullptr, [&](const nlohmann::json& saved) {
-    return models::BaselineCnnConfig::from_json(saved).to_json() == config.to_json();
-  });
-  model->eval();
-  return model;
+  return network_from_checkpoint<models::BaselineCnn, models::BaselineCnnConfig>(path,
+                                                                                 meta_of_kind(path, kBaselineCnnModel));
+}
+
+int64_t LoadedModel::image_size() const {
+  return std::visit([](const auto& net) { return net->config.image_size; }, network);
+}
+
+int64_t LoadedModel::image_channels() const {
+  return std::visit([](const auto& net) { return net->config.image_channels; }, network);
 }
 
 void LoadedModel::set_precision(Precision precision) {
@@ -464,22 +464,21 @@ void LoadedModel::set_precision(Precision precision) {
 }
 
 LoadedModel load_any_model(const std::string& path) {
-  auto loaded = [](std::string kind, auto network, InputSpec spec) {
-    const int64_t side = network->config.image_size, channels = network->config.image_channels;
-    return LoadedModel{std::move(kind), std::move(network), std::move(spec), side, channels};
-  };
   if (auto w = try_read_weights(path)) {
     auto spec = input_spec_of(w->card, w->config, path);
-    if (w->model == kMatrixCapsNetModel) return loaded(w->model, matrix_model_from_weights(*w, path), spec);
-    if (w->model == kBaselineCnnModel) return loaded(w->model, baseline_cnn_from_weights(*w, path), spec);
-    return loaded(w->model, model_from_weights(*w, path), spec);
+    if (w->model == kMatrixCapsNetModel) return {w->model, matrix_model_from_weights(*w, path), std::move(spec)};
+    if (w->model == kBaselineCnnModel) return {w->model, baseline_cnn_from_weights(*w, path), std::move(spec)};
+    return {w->model, model_from_weights(*w, path), std::move(spec)};
   }
+  // A checkpoint: its meta is read here once, its weights by load_checkpoint.
   const auto meta = read_checkpoint_meta(path);
   auto spec = input_spec_of(meta.train_options, meta.model_config, path);
   const auto kind = checkpoint_model(meta);
-  if (kind == kMatrixCapsNetModel) return loaded(kind, load_matrix_model(path), spec);
-  if (kind == kBaselineCnnModel) return loaded(kind, load_baseline_cnn(path), spec);
-  return loaded(kind, load_model(path), spec);
+  if (kind == kMatrixCapsNetModel)
+    return {kind, network_from_checkpoint<models::MatrixCapsNet, models::MatrixCapsNetConfig>(path, meta), spec};
+  if (kind == kBaselineCnnModel)
+    return {kind, network_from_checkpoint<models::BaselineCnn, models::BaselineCnnConfig>(path, meta), spec};
+  return {kind, network_from_checkpoint<models::CapsNet, models::CapsNetConfig>(path, meta), spec};
 }
 
 }  // namespace capsnet::train

@@ -108,8 +108,10 @@ struct LoadedModel {
   std::string kind;  // kCapsNetModel, kMatrixCapsNetModel or kBaselineCnnModel (export.h)
   std::variant<models::CapsNet, models::MatrixCapsNet, models::BaselineCnn> network;
   InputSpec spec;
-  int64_t image_size = 0, image_channels = 0;  // the side S and channels C of its input [N, C, S, S]
 
+  /// The side S and channels C of its input [N, C, S, S] (from the network's config).
+  int64_t image_size() const;
+  int64_t image_channels() const;
   /// Computes at `precision` (the network's set_precision).
   void set_precision(Precision precision);
 };

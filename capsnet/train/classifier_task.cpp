@@ -15,6 +15,22 @@ torch::Tensor accuracy_of(const torch::Tensor& predicted, const torch::Tensor& l
   return predicted.detach().eq(labels).to(torch::kFloat64).mean();
 }
 
+// What every classifier shares: name, module, config, evaluation (evaluate.h) and the spatial transformer;
+// the factories add the loss and the prediction.
+template <class Model, class Config>
+Classifier classifier_of(const std::string& name, Model model, const Config& config) {
+  Classifier c;
+  c.name = name;
+  c.module = model.ptr();
+  c.config = config.to_json();
+  c.evaluate = [model](const data::ImageSet& set, int64_t batch_size, std::ostream* progress) mutable {
+    return train::evaluate(model, set, batch_size, progress);
+  };
+  if (model->stn)
+    c.transformer = [model](const torch::Tensor& images) mutable { return model->stn->forward_with_theta(images); };
+  return c;
+}
+
 }  // namespace
 
 Classifier capsnet_classifier(const std::string& name, const models::CapsNetConfig& config, Precision precision,
@@ -23,10 +39,7 @@ Classifier capsnet_classifier(const std::string& name, const models::CapsNetConf
   models::CapsNet model(config);
   model->set_fused_routing(fused_routing);
   model->set_precision(precision);
-  Classifier c;
-  c.name = name;
-  c.module = model.ptr();
-  c.config = config.to_json();
+  auto c = classifier_of(name, model, config);
   c.config_matches = [config](const nlohmann::json& saved) { return models::same_config(saved, config); };
   c.loss = [model](const torch::Tensor& images, const torch::Tensor& labels) mutable {
     auto out = model(images, labels);
@@ -37,11 +50,6 @@ Classifier capsnet_classifier(const std::string& name, const models::CapsNetConf
                      {"accuracy", accuracy_of(out.lengths.argmax(1), labels)}}};
   };
   c.predict = [model](const torch::Tensor& images) mutable { return model(images).lengths.argmax(1); };
-  c.evaluate = [model](const data::ImageSet& set, int64_t batch_size, std::ostream* progress) mutable {
-    return train::evaluate(model, set, batch_size, progress);
-  };
-  if (model->stn)
-    c.transformer = [model](const torch::Tensor& images) mutable { return model->stn->forward_with_theta(images); };
   return c;
 }
 
@@ -49,20 +57,12 @@ Classifier cnn_classifier(const std::string& name, const models::BaselineCnnConf
   config.validate();
   models::BaselineCnn model(config);
   model->set_precision(precision);
-  Classifier c;
-  c.name = name;
-  c.module = model.ptr();
-  c.config = config.to_json();
+  auto c = classifier_of(name, model, config);
   c.loss = [model](const torch::Tensor& images, const torch::Tensor& labels) mutable {
     auto logits = model(images);  // [B, K]
     return TaskLoss{model->loss(logits, labels), {{"accuracy", accuracy_of(logits.argmax(1), labels)}}};
   };
   c.predict = [model](const torch::Tensor& images) mutable { return model(images).argmax(1); };
-  c.evaluate = [model](const data::ImageSet& set, int64_t batch_size, std::ostream* progress) mutable {
-    return train::evaluate(model, set, batch_size, progress);
-  };
-  if (model->stn)
-    c.transformer = [model](const torch::Tensor& images) mutable { return model->stn->forward_with_theta(images); };
   return c;
 }
 

@@ -94,7 +94,9 @@ class ClassifierTask : public Task {
   bool config_matches(const nlohmann::json& saved) const override;
   nlohmann::json data_config() const override { return data_config_; }
   /// The classifier's name once built (the start line: "capsnet: 8215568 parameters, ...").
-  std::string describe() const override { return classifier_.name.empty() ? name_ : classifier_.name; }
+  std::string describe() const override { return label(); }
+  /// The classifier's name once built ("capsnet", "cnn+stn"), else name().
+  std::string label() const override { return classifier_.name.empty() ? name_ : classifier_.name; }
   int64_t epoch_size() const override { return epoch_size_; }
   bool shuffle() const override { return shuffle_; }
   Batch batch(const torch::Tensor& ids, at::Generator& gen) const override;

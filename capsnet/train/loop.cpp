@@ -268,7 +268,7 @@ class LoopRun {
 
   void check_sizes() const {
     options_.validate();
-    if (schedule_.n <= 0) throw std::invalid_argument(fmt::format("{}: the training set is empty", task_.name()));
+    if (schedule_.n <= 0) throw std::invalid_argument(fmt::format("{}: the training set is empty", task_.label()));
     if (world_ > 1) {
       const int64_t B = options_.batch_size;
       const int64_t last = schedule_.shuffle && schedule_.n % B != 0 ? schedule_.n % B : B;
@@ -305,7 +305,7 @@ class LoopRun {
     model_ = task_.build_model(options_.precision);
     if (group_ && task_.steps_itself())
       throw std::invalid_argument(
-          fmt::format("{}: this task makes its own optimizer updates and runs in one process only", task_.name()));
+          fmt::format("{}: this task makes its own optimizer updates and runs in one process only", task_.label()));
     optimizer_ = task_.make_optimizer(*model_, options_);
     if (!optimizer_)
       optimizer_ = kernels::make_adam(model_->parameters(),
@@ -420,7 +420,7 @@ class LoopRun {
     bar_epoch_ = epoch;
     epoch_window_.clear();
     const int64_t epoch_steps = std::min(schedule_.first_step(epoch + 1), total_steps_) - schedule_.first_step(epoch);
-    const auto label = total_epochs_ > 1 ? fmt::format("epoch {}/{}", epoch + 1, total_epochs_) : task_.name();
+    const auto label = total_epochs_ > 1 ? fmt::format("epoch {}/{}", epoch + 1, total_epochs_) : task_.label();
     bar_.emplace(std::cerr, label, epoch_steps, progress_);
   }
 
@@ -458,12 +458,12 @@ class LoopRun {
       for (size_t i = 0; i < scalars.size(); ++i) scalars[i].second = one[0][i + 1].item<double>() / len;
     }
     if (!std::isfinite(loss_value))
-      throw TrainingDiverged(fmt::format("{}: loss is {} at step {} (epoch {}); stopping. {}", task_.name(),
+      throw TrainingDiverged(fmt::format("{}: loss is {} at step {} (epoch {}); stopping. {}", task_.label(),
                                          loss_value, step_, epoch + 1, last_good()));
     if (task_.steps_itself()) {
       for (const auto& [name, v] : scalars)
         if (!std::isfinite(v))
-          throw TrainingDiverged(fmt::format("{}: {} is {} at step {} (epoch {}); stopping. {}", task_.name(), name,
+          throw TrainingDiverged(fmt::format("{}: {} is {} at step {} (epoch {}); stopping. {}", task_.label(), name,
                                              v, step_, epoch + 1, last_good()));
       return loss_value;
     }
@@ -582,12 +582,12 @@ class LoopRun {
 
   bool should_stop() {
     if (result_.target_reached && step_ < total_steps_) {
-      log_ << fmt::format("{}: stopping after step {} of {}: the target accuracy {:.2f}% is reached\n", task_.name(),
+      log_ << fmt::format("{}: stopping after step {} of {}: the target accuracy {:.2f}% is reached\n", task_.label(),
                           step_, total_steps_, 100 * options_.target_accuracy);
       return true;
     }
     if (result_.out_of_time) {
-      log_ << fmt::format("{}: stopping after step {} of {}: the time budget ({:.0f} s) is spent\n", task_.name(),
+      log_ << fmt::format("{}: stopping after step {} of {}: the time budget ({:.0f} s) is spent\n", task_.label(),
                           step_, total_steps_, options_.max_seconds);
       return true;
     }
@@ -611,7 +611,7 @@ class LoopRun {
   void save() {
     if (!all_finite(model_->parameters()))
       throw TrainingDiverged(
-          fmt::format("{}: weights are not finite at step {}; not saving. {}", task_.name(), step_, last_good()));
+          fmt::format("{}: weights are not finite at step {}; not saving. {}", task_.label(), step_, last_good()));
     if (lead_)
       save_checkpoint(ckpt_, *model_, optimizer_.get(), {step_, task_.model_config(), best_.into(options_json_)});
     if (stale_best_) {
@@ -683,6 +683,17 @@ class LoopRun {
 
 LoopResult run(Task& task, const LoopOptions& options, std::ostream& log, std::shared_ptr<ProcessGroup> group) {
   return LoopRun(task, options, log, std::move(group)).run();
+}
+
+RunStats RunStats::of(LoopResult& r) {
+  RunStats s;
+  s.steps = r.end_step;
+  s.images_seen = r.images;
+  s.seconds = r.seconds;
+  s.images_per_second = r.images_per_second;
+  s.losses = std::move(r.losses);
+  s.checkpoint = r.checkpoint;
+  return s;
 }
 
 }  // namespace capsnet::train

@@ -58,7 +58,7 @@ struct Evaluation {
 class Task {
  public:
   virtual ~Task() = default;
-  /// Short name: the metrics' "task" field and the progress bar's label when there is one epoch.
+  /// Short name: the "task" field of metrics and checkpoints (a resume must match it).
   virtual std::string name() const = 0;
   /// Builds the model (once, after torch::manual_seed(seed), so initialisation is reproducible) and
   /// returns it: its parameters are optimised and it is what checkpoints hold.
@@ -72,6 +72,8 @@ class Task {
   virtual nlohmann::json data_config() const = 0;
   /// The first log line's description of the model (e.g. "CapsNet: 8215568 parameters").
   virtual std::string describe() const = 0;
+  /// What the loop's messages (stopping, divergence) and a one-epoch progress bar start with; default: name().
+  virtual std::string label() const { return name(); }
 
   /// Examples in one epoch: the unit of the learning-rate decay and of end-of-epoch evaluation.
   virtual int64_t epoch_size() const = 0;
@@ -180,6 +182,19 @@ struct LoopResult {
   std::string checkpoint;         // the last checkpoint written
   bool out_of_time = false;       // stopped by max_seconds
   bool target_reached = false;    // stopped by target_accuracy
+};
+
+/// What an experiment's result says of its training run (each experiment's TrainResult derives from it).
+struct RunStats {
+  int64_t steps = 0;              // steps taken in total (including those before a resume)
+  int64_t images_seen = 0;        // examples trained on by this run
+  double seconds = 0;             // wall time of this run's optimisation steps
+  double images_per_second = 0;   // training throughput of this run
+  std::vector<double> losses;     // total loss of every step of this run, in order
+  std::string checkpoint;         // the last checkpoint written (resumable)
+
+  /// The statistics of a finished run (its losses are moved out of `r`).
+  static RunStats of(LoopResult& r);
 };
 
 /// Trains `task` with Adam. Log lines go to `log` (rank 0 only), the progress bar to stderr.

@@ -26,12 +26,7 @@ class CliTest : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new TempDir();
     data_ = *dir_ / "mnist";
-    std::filesystem::create_directories(data_);
-    auto train_set = testing::synthetic_set(64, 28, 11), test_set = testing::synthetic_set(32, 28, 12);
-    data::write_idx(data_ + "/train-images-idx3-ubyte", train_set.images);
-    data::write_idx(data_ + "/train-labels-idx1-ubyte", train_set.labels.to(torch::kUInt8));
-    data::write_idx(data_ + "/t10k-images-idx3-ubyte", test_set.images);
-    data::write_idx(data_ + "/t10k-labels-idx1-ubyte", test_set.labels.to(torch::kUInt8));
+    testing::write_fake_mnist(data_, 64, 32);
     run_ = *dir_ / "run";
     train_ = run_command(kCli + " train --data " + data_ + " --out " + run_ +
                          " --steps 3 --batch-size 16 --checkpoint-every 2 --no-progress");

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -61,6 +62,22 @@ void expect_fp32_parameters_with_fp32_gradients(torch::nn::Module& model) {
     EXPECT_EQ(item.value().grad().scalar_type(), torch::kFloat32) << item.key();
     EXPECT_TRUE(torch::isfinite(item.value().grad()).all().item<bool>()) << item.key();
   }
+}
+
+// One Adam step of a bf16 model at learning rate `lr`: the loss `loss_of()` is fp32, every parameter and
+// gradient is fp32 and finite, and the loss is lower after the step.
+void expect_bf16_step_lowers_the_loss(torch::nn::Module& model, const std::function<torch::Tensor()>& loss_of,
+                                      double lr) {
+  torch::optim::Adam adam(model.parameters(), torch::optim::AdamOptions(lr));
+  auto loss = loss_of();
+  EXPECT_EQ(loss.scalar_type(), torch::kFloat32);
+  const double before = loss.item<double>();
+  adam.zero_grad();
+  loss.backward();
+  expect_fp32_parameters_with_fp32_gradients(model);
+  adam.step();
+  torch::NoGradGuard no_grad;
+  EXPECT_LT(loss_of().item<double>(), before);
 }
 
 // Every parameter of `loaded` is fp32 and equal to the same-named one of `trained`.
@@ -157,17 +174,8 @@ TEST(EmPrecision, Bf16StepKeepsFp32WeightsAndGradientsAndLowersTheLoss) {
   model->set_precision(Precision::kBFloat16);
   auto set = testing::synthetic_set(10, 28, 21);
   auto images = experiments::to_input(set.images);
-  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-3));
-  auto loss_of = [&] { return spread_loss(model->forward(images).activations, set.labels, 0.5); };
-  auto loss = loss_of();
-  EXPECT_EQ(loss.scalar_type(), torch::kFloat32);
-  const double before = loss.item<double>();
-  adam.zero_grad();
-  loss.backward();
-  expect_fp32_parameters_with_fp32_gradients(*model);
-  adam.step();
-  torch::NoGradGuard no_grad;
-  EXPECT_LT(loss_of().item<double>(), before);
+  expect_bf16_step_lowers_the_loss(
+      *model, [&] { return spread_loss(model->forward(images).activations, set.labels, 0.5); }, 1e-3);
 }
 
 TEST(EmPrecision, CheckpointOfABf16RunLoadsIntoAnFp32Model) {
@@ -191,7 +199,7 @@ TEST(EmPrecision, CheckpointOfABf16RunLoadsIntoAnFp32Model) {
   EXPECT_NE(log.str().find("bf16 compute"), std::string::npos) << log.str();
   torch::manual_seed(99);  // other initial weights: the load must replace them all
   models::MatrixCapsNet fp32(o.model);
-  train::load_checkpoint(r.model_path, *fp32, nullptr, [&](const nlohmann::json& saved) {
+  train::load_checkpoint(r.checkpoint, *fp32, nullptr, [&](const nlohmann::json& saved) {
     return models::MatrixCapsNetConfig::from_json(saved).to_json() == o.model.to_json();
   });
   EXPECT_EQ(fp32->precision(), Precision::kFloat32);
@@ -233,17 +241,8 @@ TEST(SegCapsPrecision, Bf16StepKeepsFp32WeightsAndGradientsAndLowersTheLoss) {
   model->set_precision(Precision::kBFloat16);
   auto images = torch::rand({3, 1, 12, 12});
   auto masks = (images > 0.6).to(torch::kFloat);
-  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
-  auto loss_of = [&] { return model->loss(model->forward(images, masks), masks, images); };
-  auto loss = loss_of();
-  EXPECT_EQ(loss.scalar_type(), torch::kFloat32);
-  const double before = loss.item<double>();
-  adam.zero_grad();
-  loss.backward();
-  expect_fp32_parameters_with_fp32_gradients(*model);
-  adam.step();
-  torch::NoGradGuard no_grad;
-  EXPECT_LT(loss_of().item<double>(), before);
+  expect_bf16_step_lowers_the_loss(*model, [&] { return model->loss(model->forward(images, masks), masks, images); },
+                                   1e-2);
 }
 
 TEST(SegCapsPrecision, CheckpointOfABf16RunLoadsIntoAnFp32Model) {

@@ -59,14 +59,19 @@ inline data::ImageSet synthetic_set(int64_t n, int64_t side, uint64_t seed) {
   return set;
 }
 
-/// Writes the four MNIST IDX files of synthetic 28x28 digits (see synthetic_set) into `dir`.
-inline void write_fake_mnist(const std::string& dir, int64_t n_train, int64_t n_test) {
+/// Writes the four MNIST IDX files of `train` and `test` into `dir` (created if missing).
+inline void write_mnist_dir(const std::string& dir, const data::ImageSet& train, const data::ImageSet& test) {
   std::filesystem::create_directories(dir);
-  auto train_set = synthetic_set(n_train, 28, 11), test_set = synthetic_set(n_test, 28, 12);
-  data::write_idx(dir + "/train-images-idx3-ubyte", train_set.images);
-  data::write_idx(dir + "/train-labels-idx1-ubyte", train_set.labels.to(torch::kUInt8));
-  data::write_idx(dir + "/t10k-images-idx3-ubyte", test_set.images);
-  data::write_idx(dir + "/t10k-labels-idx1-ubyte", test_set.labels.to(torch::kUInt8));
+  data::write_idx(dir + "/train-images-idx3-ubyte", train.images);
+  data::write_idx(dir + "/train-labels-idx1-ubyte", train.labels.to(torch::kUInt8));
+  data::write_idx(dir + "/t10k-images-idx3-ubyte", test.images);
+  data::write_idx(dir + "/t10k-labels-idx1-ubyte", test.labels.to(torch::kUInt8));
+}
+
+/// An MNIST directory of synthetic 28x28 digits (synthetic_set with the given seeds).
+inline void write_fake_mnist(const std::string& dir, int64_t n_train, int64_t n_test, uint64_t train_seed = 11,
+                             uint64_t test_seed = 12) {
+  write_mnist_dir(dir, synthetic_set(n_train, 28, train_seed), synthetic_set(n_test, 28, test_seed));
 }
 
 /// Runs a shell command, returns its exit status and combined stdout+stderr.

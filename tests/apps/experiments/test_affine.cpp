@@ -429,19 +429,10 @@ TEST(AffineDataTest, TheRobustnessFamilyVariesOneWarpAtATimeAndItsSetsShowIt) {
 
 // ---- the `capsnet affine` command, end to end on a fake MNIST directory ------------------------
 
-/// The four MNIST IDX files of `train` and `test` in `dir`.
-void write_mnist_dir(const std::string& dir, const data::ImageSet& train, const data::ImageSet& test) {
-  std::filesystem::create_directories(dir);
-  data::write_idx(dir + "/train-images-idx3-ubyte", train.images);
-  data::write_idx(dir + "/train-labels-idx1-ubyte", train.labels.to(torch::kUInt8));
-  data::write_idx(dir + "/t10k-images-idx3-ubyte", test.images);
-  data::write_idx(dir + "/t10k-labels-idx1-ubyte", test.labels.to(torch::kUInt8));
-}
-
 TEST(AffineCliTest, TrainsBothModelsAndWritesReportFigureAndMetrics) {
   testing::TempDir dir;
   const std::string data_dir = dir / "mnist", out = dir / "run";
-  write_mnist_dir(data_dir, digit_like_set(16, 21), digit_like_set(6, 22));
+  testing::write_mnist_dir(data_dir, digit_like_set(16, 21), digit_like_set(6, 22));
   const std::string cli = CAPSNET_CLI;
   auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
                                 " --model both --steps 1 --batch-size 2 --no-progress --threads 1");
@@ -492,7 +483,7 @@ TEST(AffineCliTest, EveryModelIsScoredOnEachWarpOfTheRobustnessFamily) {
   testing::TempDir dir;
   const std::string data_dir = dir / "mnist", out = dir / "run";
   const auto test = digit_like_set(12, 42);
-  write_mnist_dir(data_dir, digit_like_set(16, 41), test);
+  testing::write_mnist_dir(data_dir, digit_like_set(16, 41), test);
   const std::string cli = CAPSNET_CLI;
   auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
                                 " --model cnn --steps 1 --batch-size 4 --lr 1e-9 --precision fp32 --no-progress --threads 1");
@@ -552,7 +543,7 @@ TEST(AffineCliTest, EveryModelIsScoredOnEachWarpOfTheRobustnessFamily) {
 TEST(AffineCliTest, EvalScoresAFortyPixelModelOnAnyIdxSetOfItsSide) {
   testing::TempDir dir;
   const std::string data_dir = dir / "mnist", out = dir / "run";
-  write_mnist_dir(data_dir, digit_like_set(8, 61), digit_like_set(4, 62));
+  testing::write_mnist_dir(data_dir, digit_like_set(8, 61), digit_like_set(4, 62));
   const std::string cli = CAPSNET_CLI;
   auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
                                 " --model capsnet --steps 1 --batch-size 2 --no-robustness --no-progress --threads 1");
@@ -595,7 +586,7 @@ TEST(AffineCliTest, EvalScoresAFortyPixelModelOnAnyIdxSetOfItsSide) {
 TEST(AffineCliTest, TheBaselineCnnIsEvaluatedExportedAndPredictedLikeAnyModel) {
   testing::TempDir dir;
   const std::string data_dir = dir / "mnist", out = dir / "run";
-  write_mnist_dir(data_dir, digit_like_set(8, 81), digit_like_set(4, 82));
+  testing::write_mnist_dir(data_dir, digit_like_set(8, 81), digit_like_set(4, 82));
   const std::string cli = CAPSNET_CLI;
   auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
                                 " --model cnn --steps 1 --batch-size 2 --no-robustness --no-progress --threads 1");
@@ -658,7 +649,7 @@ TEST(AffineCliTest, WriteSetsWritesEveryTestSetAsIdxWithItsRecipeAndTrainsNothin
   testing::TempDir dir;
   const std::string data_dir = dir / "mnist", sets = dir / "sets", out = dir / "never";
   const auto test_digits = digit_like_set(6, 72);
-  write_mnist_dir(data_dir, digit_like_set(8, 71), test_digits);
+  testing::write_mnist_dir(data_dir, digit_like_set(8, 71), test_digits);
   const std::string cli = CAPSNET_CLI;
   auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out + " --write-sets " + sets +
                                 " --test-limit 0 --test-seed 31 --threads 1");
@@ -711,7 +702,7 @@ TEST(AffineCliTest, WriteSetsWritesEveryTestSetAsIdxWithItsRecipeAndTrainsNothin
 TEST(AffineCliTest, EpochModeEvaluatesEveryEpochStopsAtTheTargetAndResumes) {
   testing::TempDir dir;
   const std::string data_dir = dir / "mnist", out = dir / "run";
-  write_mnist_dir(data_dir, digit_like_set(16, 31), digit_like_set(6, 32));
+  testing::write_mnist_dir(data_dir, digit_like_set(16, 31), digit_like_set(6, 32));
   const std::string cli = CAPSNET_CLI;
   const std::string common = " affine --data " + data_dir + " --out " + out +
                              " --model cnn --batch-size 8 --precision fp32 --no-progress --threads 1";

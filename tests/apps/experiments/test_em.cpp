@@ -841,10 +841,10 @@ TEST(EmTraining, PreIssue14CheckpointResumesOnlyWithTheOldRouting) {
   o.loop.out_dir = dir / "a";
   std::ostringstream log;
   const auto first = experiments::train_em(o, set, nullptr, log);
-  auto meta = train::read_checkpoint_meta(first.model_path);
+  auto meta = train::read_checkpoint_meta(first.checkpoint);
   models::MatrixCapsNet net(o.model);
   torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(o.loop.lr));
-  train::load_checkpoint(first.model_path, *net, &adam, [](const nlohmann::json&) { return true; });
+  train::load_checkpoint(first.checkpoint, *net, &adam, [](const nlohmann::json&) { return true; });
   for (const char* key : {"lambda_schedule", "lambda_base", "logit_offset_outside_lambda", "cross_window_routing"})
     ASSERT_EQ(meta.model_config.erase(key), 1u) << key;
   const std::string old_path = dir / "old.pt";
@@ -881,7 +881,7 @@ TEST(EmTraining, ShiftAugmentationMovesTheImagesAndResumesExactly) {
   first_half.loop.max_steps = 2;
   const auto half = run(first_half, "half");
   auto second_half = o;
-  second_half.loop.resume = half.model_path;
+  second_half.loop.resume = half.checkpoint;
   const auto resumed = run(second_half, "resumed");
   auto unshifted = o;
   unshifted.max_shift = 0;
@@ -897,7 +897,7 @@ TEST(EmTraining, ShiftAugmentationMovesTheImagesAndResumesExactly) {
   EXPECT_GT(shift_effect, 1e-6);
   // A run with shifts does not resume from one without (the batches would differ from the first run's).
   auto mixed = o;
-  mixed.loop.resume = plain.model_path;
+  mixed.loop.resume = plain.checkpoint;
   mixed.loop.max_steps = 5;
   EXPECT_ANY_THROW(run(mixed, "mixed"));
   auto too_far = o;

@@ -600,12 +600,7 @@ TEST(MultiMnistVizTest, PanelAndFigureHaveTheDocumentedSizeAndDecode) {
 TEST(MultiMnistCliTest, TrainThenEvalOnlyOnGeneratedIdxFiles) {
   TempDir dir;
   const std::string data_dir = dir / "mnist", out = dir / "run";
-  std::filesystem::create_directories(data_dir);
-  auto train_set = testing::synthetic_set(60, 28, 11), test_set = testing::synthetic_set(30, 28, 12);
-  data::write_idx(data_dir + "/train-images-idx3-ubyte", train_set.images);
-  data::write_idx(data_dir + "/train-labels-idx1-ubyte", train_set.labels.to(torch::kUInt8));
-  data::write_idx(data_dir + "/t10k-images-idx3-ubyte", test_set.images);
-  data::write_idx(data_dir + "/t10k-labels-idx1-ubyte", test_set.labels.to(torch::kUInt8));
+  testing::write_fake_mnist(data_dir, 60, 30);
   // A narrow model (4 conv1 channels, 2 capsule types) keeps the 36x36 pipeline fast.
   const std::string cli = std::string(CAPSNET_CLI) + " multimnist --data " + data_dir + " --out " + out +
                           " --test-size 20 --conv1-channels 4 --primary-types 2 --no-progress --threads 1";

@@ -300,8 +300,8 @@ TEST(Export, LoadAnyModelTakesEveryNetworkFromCheckpointsAndWeightFiles) {
     auto m = train::load_any_model(dir / c.file);
     EXPECT_EQ(m.kind, c.kind);
     ASSERT_EQ(m.network.index(), c.alternative);
-    EXPECT_EQ(m.image_size, c.side);
-    EXPECT_EQ(m.image_channels, 1);
+    EXPECT_EQ(m.image_size(), c.side);
+    EXPECT_EQ(m.image_channels(), 1);
     EXPECT_EQ(m.spec.class_names, c.lettered ? letters : std::vector<std::string>({"0", "1", "2", "3", "4", "5", "6",
                                                                                      "7", "8", "9"}));
     const auto params = c.module->named_parameters();

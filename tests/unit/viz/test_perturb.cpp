@@ -184,12 +184,7 @@ class PerturbCliTest : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new TempDir();
     data_ = *dir_ / "mnist";
-    std::filesystem::create_directories(data_);
-    auto train_set = testing::synthetic_set(16, 28, 31), test_set = testing::synthetic_set(32, 28, 32);
-    data::write_idx(data_ + "/train-images-idx3-ubyte", train_set.images);
-    data::write_idx(data_ + "/train-labels-idx1-ubyte", train_set.labels.to(torch::kUInt8));
-    data::write_idx(data_ + "/t10k-images-idx3-ubyte", test_set.images);
-    data::write_idx(data_ + "/t10k-labels-idx1-ubyte", test_set.labels.to(torch::kUInt8));
+    testing::write_fake_mnist(data_, 16, 32, 31, 32);
     train_ = run_command(kCli + " train --data " + data_ + " --out " + dir_->str() + "/run" +
                          " --steps 1 --batch-size 8 --no-eval --no-progress");
   }
