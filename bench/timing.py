@@ -7,8 +7,8 @@ import statistics
 import time
 
 
-def median_seconds(fn, reps, warmup=1):
-    """Median wall time of `reps` calls of fn, after `warmup` untimed calls."""
+def wall_times(fn, reps, warmup=0):
+    """Wall time of each of `reps` calls of fn, after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
     out = []
@@ -16,7 +16,12 @@ def median_seconds(fn, reps, warmup=1):
         t = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    return out
+
+
+def median_seconds(fn, reps, warmup=1):
+    """Median wall time of `reps` calls of fn, after `warmup` untimed calls."""
+    return statistics.median(wall_times(fn, reps, warmup))
 
 
 def add_peer_args(ap):
@@ -56,30 +61,13 @@ def measure_peer(train_step, predict, images, args, inference_ctx):
     B = images.shape[0]
     rss_before = rss_mb("VmRSS")
     reset_peak_rss()
-    for _ in range(2):
-        train_step()
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        train_step()
-        times.append(time.perf_counter() - t)
+    times = wall_times(train_step, args.steps, warmup=2)
     train_peak = rss_mb("VmHWM")
 
     with inference_ctx():
-        predict(images)
-        infer = []
-        for _ in range(args.infer_batches):
-            t = time.perf_counter()
-            predict(images)
-            infer.append(time.perf_counter() - t)
+        infer = wall_times(lambda: predict(images), args.infer_batches, warmup=1)
         one = images[:1].clone()
-        for _ in range(3):
-            predict(one)
-        lat = []
-        for _ in range(args.latency_runs):
-            t = time.perf_counter()
-            predict(one)
-            lat.append(time.perf_counter() - t)
+        lat = wall_times(lambda: predict(one), args.latency_runs, warmup=3)
 
     return {
         "batch_size": B, "routing_iters": args.routing_iters,

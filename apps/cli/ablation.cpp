@@ -146,13 +146,13 @@ int run(const Flags& f) {
     std::ostringstream log;
     auto t = train::train(o, train_set, &test_set, log);
     if (!t.test) throw std::runtime_error("ablation: run " + name + " ended without a test evaluation");
-    const double images = static_cast<double>(t.end_step) * f.batch_size;
+    const double images = static_cast<double>(t.steps) * f.batch_size;
     nlohmann::json j = {{"name", name},
                         {"settings", settings},
                         {"routing_iterations", r},
                         {"reconstruction", recon},
                         {"precision", settings.at("precision")},
-                        {"steps", t.end_step},
+                        {"steps", t.steps},
                         {"epochs_seen", images / train_set.size()},
                         {"test_accuracy", t.test->accuracy},
                         {"test_error", 1 - t.test->accuracy},
@@ -162,7 +162,7 @@ int run(const Flags& f) {
                         {"paper_test_error_percent", paper_error(r, recon)}};
     write_text_file(result_path, train::dump_json(j, 2) + "\n");
     std::cerr << fmt::format("ablation: [{}/{}] {}: test error {:.2f}% ({} steps, {:.0f} s)\n", index, total, name,
-                             100 * (1 - t.test->accuracy), t.end_step, t.seconds);
+                             100 * (1 - t.test->accuracy), t.steps, t.seconds);
     results.push_back(j);
   }
 

@@ -126,7 +126,7 @@ void apply_train_flags(TrainFlags& f, const CLI::App& app) {
 
 /// What a finished run prints: the speed, the last test and validation accuracy, where its files are.
 void report_training(const TrainFlags& f, const train::TrainResult& r) {
-  std::cout << fmt::format("trained steps {}..{} in {:.1f} s ({:.1f} img/s)\n", r.start_step, r.end_step, r.seconds,
+  std::cout << fmt::format("trained steps {}..{} in {:.1f} s ({:.1f} img/s)\n", r.start_step, r.steps, r.seconds,
                            r.images_per_second);
   if (r.test)
     std::cout << fmt::format("test accuracy: {:.2f}% (error {:.2f}%) on {} images\n", 100 * r.test->accuracy,

@@ -62,16 +62,12 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
     task.set_validation(loss_evaluator(val, "val", options.eval_batch_size, &last_validation));
   auto r = run(task, options.loop, log, std::move(group));
   TrainResult result;
+  static_cast<RunStats&>(result) = RunStats::of(r);
   result.start_step = r.start_step;
-  result.end_step = r.end_step;
-  result.seconds = r.seconds;
-  result.images_per_second = r.images_per_second;
-  result.losses = std::move(r.losses);
   result.test = std::move(last_test);
   result.validation = std::move(last_validation);
   result.best_validation_accuracy = r.best_validation_accuracy;
   result.best_validation_step = r.best_validation_step;
-  result.checkpoint = r.checkpoint;
   return result;
 }
 

@@ -45,16 +45,13 @@ struct TrainOptions {
   nlohmann::json to_json() const;
 };
 
-struct TrainResult {
-  int64_t start_step = 0, end_step = 0;
-  double seconds = 0;            // wall time of the optimisation steps of this run
-  double images_per_second = 0;  // training throughput of this run
-  std::vector<double> losses;    // total loss of every step of this run, in order
+/// The run's statistics (steps: the last step trained; checkpoint: the last written) and:
+struct TrainResult : RunStats {
+  int64_t start_step = 0;          // the step this run began at (> 0 after a resume)
   std::optional<EvalResult> test;  // last evaluation, when a test set was given
   std::optional<EvalResult> validation;  // last validation, when validation_size > 0
   std::optional<double> best_validation_accuracy;  // and the step of best.pt
   int64_t best_validation_step = 0;
-  std::string checkpoint;        // path of the last checkpoint written
 };
 
 /// Trains a CapsNet on `train_set` (less its last validation_size examples, the validation split),

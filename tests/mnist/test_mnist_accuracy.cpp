@@ -28,7 +28,7 @@ TEST(MnistAccuracyTest, PaperModelReaches97PercentOnTheFullTestSet) {
   o.loop.progress = false;
   auto r = train::train(o, train_set, &test_set, std::cout);
   ASSERT_TRUE(r.test.has_value());
-  std::cout << "test accuracy " << 100 * r.test->accuracy << "% after " << r.end_step << " steps, "
+  std::cout << "test accuracy " << 100 * r.test->accuracy << "% after " << r.steps << " steps, "
             << r.images_per_second << " img/s\n";
   EXPECT_EQ(r.test->examples, 10000);
   EXPECT_GE(r.test->accuracy, 0.97);
