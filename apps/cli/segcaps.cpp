@@ -30,21 +30,21 @@ constexpr const char* kDiceDefinition =
     "per test image: predicted mask P = (capsule length |v| > threshold), target T = main digit ink > "
     "mask_threshold; Dice = 2|P∩T| / (|P| + |T|) (1 when both are empty); reported value = mean over the test images";
 
-/// "auto" -> nullopt, else a number in (0, 1e6]. Throws std::invalid_argument naming the flag.
+/// "auto" or "dataset" -> nullopt, else a number in (0, 1e6]. Throws std::invalid_argument naming the flag.
 std::optional<double> parse_pos_weight(const std::string& text) {
-  if (text == "auto") return std::nullopt;
+  if (text == "auto" || text == "dataset") return std::nullopt;
   char* end = nullptr;
   const double v = std::strtod(text.c_str(), &end);
   if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(v) || !(v > 0 && v <= 1e6))
-    throw std::invalid_argument(
-        fmt::format("--pos-weight must be 'auto' or a number in (0, 1e6] (1 = unweighted), got '{}'", text));
+    throw std::invalid_argument(fmt::format(
+        "--pos-weight must be 'auto', 'dataset' or a number in (0, 1e6] (1 = unweighted), got '{}'", text));
   return v;
 }
 
 struct SegCapsFlags : ImageExperimentFlags {
   experiments::SegCapsTrainOptions o;
   data::DigitSegmentationOptions d;
-  std::string pos_weight = "auto";  // auto | a number > 0 (1 = unweighted BCE)
+  std::string pos_weight = "auto";  // auto | dataset | a number > 0 (1 = unweighted BCE)
   double recon_weight = 0.131;      // the paper's; 0 = no reconstruction branch
 };
 
@@ -88,7 +88,8 @@ void add_segcaps_model_flags(CLI::App* app, SegCapsFlags* f) {
       ->capture_default_str();
   app->add_option("--pos-weight", f->pos_weight,
                   "Weight of foreground pixels in the BCE: auto = background / foreground pixels of each batch "
-                  "(the paper weights by the class ratio), or a number in (0, 1e6]; 1 = unweighted")
+                  "(the paper weights by the class ratio); dataset = the same ratio over one pass of training "
+                  "images, fixed for the run (the authors' code); or a number in (0, 1e6]; 1 = unweighted")
       ->check(CLI::Validator(
           [](std::string& text) -> std::string {
             try {
@@ -98,7 +99,7 @@ void add_segcaps_model_flags(CLI::App* app, SegCapsFlags* f) {
             }
             return {};
           },
-          "auto|NUMBER", "POS_WEIGHT"))
+          "auto|dataset|NUMBER", "POS_WEIGHT"))
       ->capture_default_str();
   app->add_option("--recon-weight", f->recon_weight,
                   "Weight of the masked reconstruction MSE (paper: 0.131); 0 = no reconstruction branch")
@@ -137,8 +138,8 @@ void apply_segcaps_flags(SegCapsFlags* f) {
   o.model.image_size = f->d.canvas;
   o.fused_routing = !f->composite_routing;
   const auto pos = parse_pos_weight(f->pos_weight);
-  o.model.auto_pos_weight = !pos.has_value();
-  o.model.pos_weight = pos.value_or(1.0);
+  o.model.auto_pos_weight = f->pos_weight == "auto";
+  o.model.pos_weight = pos.value_or(1.0);  // "dataset": measured on the training images in run_segcaps
   o.model.recon_weight = f->recon_weight;
   o.validate();  // before loading the data
   f->d.validate(28);
@@ -202,6 +203,11 @@ int run_segcaps(const std::shared_ptr<SegCapsFlags>& f, const std::shared_ptr<tr
 
   data::DigitSegmentation train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.loop.seed, f->d);
   data::DigitSegmentation test_set(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_seed, f->d);
+  if (f->pos_weight == "dataset") {  // one pass: as many generated images as source digits
+    o.model.pos_weight = data::foreground_weight(train_set, train_set.source_size());
+    std::cout << fmt::format("class weight: background / foreground pixels over {} training images = {:.4f}\n",
+                             train_set.source_size(), o.model.pos_weight);
+  }
 
   auto baseline =
       experiments::threshold_baseline(train_set, std::min<int64_t>(1000, o.test_size * 2), test_set, o.test_size);

@@ -132,6 +132,21 @@ SegmentationBatch DigitSegmentation::generate(int64_t first_n, int64_t count) co
   return b;
 }
 
+double foreground_weight(const DigitSegmentation& set, int64_t count) {
+  if (count < 1) throw std::invalid_argument(fmt::format("foreground_weight: count must be >= 1, got {}", count));
+  constexpr int64_t kChunk = 1000;
+  double foreground = 0, background = 0;
+  for (int64_t first = 0; first < count; first += kChunk) {
+    const auto masks = set.generate(first, std::min(kChunk, count - first)).masks.flatten(1) > 0.5;  // [n, S*S]
+    const auto per_image = masks.sum(1).to(torch::kFloat64);                                         // [n]
+    const auto has = per_image > 0;
+    const double fg = per_image.masked_select(has).sum().item<double>();
+    foreground += fg;
+    background += has.sum().item<double>() * static_cast<double>(masks.size(1)) - fg;
+  }
+  return foreground > 0 ? background / foreground : 1.0;
+}
+
 torch::Tensor dice_per_image(const torch::Tensor& predicted, const torch::Tensor& target) {
   if (!predicted.defined() || !target.defined() || predicted.sizes() != target.sizes() || predicted.dim() < 1)
     throw std::invalid_argument("dice_per_image: predicted and target must be defined tensors of the same shape [B, ...]");

@@ -60,6 +60,11 @@ class DigitSegmentation {
   int64_t side_ = 0;
 };
 
+/// The SegCaps authors' class weight: background / foreground mask pixels summed over the examples
+/// 0 .. count - 1 of `set` that have any foreground (their code weighs the positive class of the whole
+/// training set by this ratio). count >= 1; 1 when no example has foreground.
+double foreground_weight(const DigitSegmentation& set, int64_t count);
+
 /// Dice coefficient per image, 2 |P ∩ T| / (|P| + |T|), of binary masks (value > 0.5 counts as set);
 /// 1 when both are empty. predicted, target: [B, ...] (same shape). Returns [B] float64.
 torch::Tensor dice_per_image(const torch::Tensor& predicted, const torch::Tensor& target);

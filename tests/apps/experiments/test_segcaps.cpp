@@ -1,5 +1,6 @@
 // Convolutional capsules (SegCaps layers), the cluttered-digit segmentation data, the SegCaps model and
 // the `capsnet segcaps` command. Run alone: capsnet_tests --gtest_filter='SegCaps*'
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -9,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "capsnet/data/mnist.h"
 #include "capsnet/data/segmentation.h"
 #include "capsnet/models/segcaps.h"
 #include "capsnet/nn/capsule_conv.h"
@@ -299,6 +301,36 @@ TEST(SegCapsData, BadArguments) {
   expect_invalid([&] { ok.generate(0, 0); }, "count");
 }
 
+TEST(SegCapsData, ForegroundWeightIsTheBackgroundToForegroundRatioOfImagesWithForeground) {
+  // Three source digits of different ink: blank (its examples have no foreground), a 4x4 and a 10x10 square.
+  capsnet::data::ImageSet source;
+  source.images = torch::zeros({3, 28, 28}, torch::kUInt8);
+  source.images[1].slice(0, 10, 14).slice(1, 10, 14).fill_(255);
+  source.images[2].slice(0, 5, 15).slice(1, 5, 15).fill_(255);
+  source.labels = torch::tensor({0, 1, 2}, torch::kLong);
+  capsnet::data::DigitSegmentation set(source, 3);
+  // By hand over the first 1,203 examples (two chunks and a remainder): images without foreground do not count.
+  const auto masks = set.generate(0, 1203).masks.flatten(1) > 0.5;
+  double fg = 0, bg = 0;
+  int64_t empty = 0;
+  for (int64_t i = 0; i < masks.size(0); ++i) {
+    const double f = masks[i].sum().item<double>();
+    if (f == 0) {
+      ++empty;
+      continue;
+    }
+    fg += f;
+    bg += static_cast<double>(masks.size(1)) - f;
+  }
+  ASSERT_GT(empty, 0);
+  const double w = capsnet::data::foreground_weight(set, 1203);
+  EXPECT_NEAR(w, bg / fg, 1e-12 * w);
+  // Both squares and the blank digit were drawn; the weight lies between the two squares' own ratios.
+  EXPECT_GT(w, (32.0 * 32 - 100) / 100);
+  EXPECT_LT(w, (32.0 * 32 - 16) / 16);
+  EXPECT_THROW(capsnet::data::foreground_weight(set, 0), std::invalid_argument);
+}
+
 TEST(SegCapsData, DiceValues) {
   auto t = torch::zeros({4, 1, 2, 2});
   auto p = torch::zeros({4, 1, 2, 2});
@@ -584,6 +616,40 @@ TEST(SegCapsCli, TrainsEvaluatesAndWritesOutputs) {
   EXPECT_EQ(j2["steps_requested"], 50);
 }
 
+// The authors' loss: --pos-weight dataset fixes the class weight, measured once over as many training images
+// as there are source digits; --recon-weight 131.072 is their code's reconstruction weight.
+TEST(SegCapsCli, DatasetClassWeightIsMeasuredOnceOnTheTrainingImages) {
+  capsnet::testing::TempDir dir;
+  capsnet::testing::write_fake_mnist(dir / "data", 40, 20);
+  const std::string out = dir / "out";
+  auto r = capsnet::testing::run_command(
+      kCli + " segcaps --data " + (dir / "data") + " --out " + out +
+      " --pos-weight dataset --recon-weight 131.072 --seed 5 --steps 2 --batch-size 2 --test-size 2 --canvas 28"
+      " --types 2 --stem-channels 4 --figure-rows 0 --log-every 1 --no-progress --threads 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  capsnet::data::DigitSegmentationOptions d;
+  d.canvas = 28;
+  capsnet::data::DigitSegmentation train_set(
+      capsnet::data::load_mnist(dir / "data", capsnet::data::Split::kTrain), 5, d);
+  const double want = capsnet::data::foreground_weight(train_set, 40);
+  EXPECT_NE(r.output.find(fmt::format("over 40 training images = {:.4f}", want)), std::string::npos) << r.output;
+  std::ifstream in(out + "/segcaps.json");
+  auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["pos_weight"], "dataset");
+  EXPECT_EQ(j["model"]["auto_pos_weight"], false);
+  EXPECT_DOUBLE_EQ(j["model"]["pos_weight"].get<double>(), want);
+  EXPECT_EQ(j["model"]["recon_weight"], 131.072);
+  std::ifstream metrics(out + "/metrics.jsonl");
+  int train_records = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    auto record = nlohmann::json::parse(line);
+    if (record["event"] != "train") continue;
+    ++train_records;
+    EXPECT_NEAR(record.at("pos_weight").get<double>(), want, 1e-12 * want) << line;  // the same every step
+  }
+  EXPECT_EQ(train_records, 2);
+}
+
 TEST(SegCapsCli, BadOptions) {
   capsnet::testing::TempDir dir;
   auto r = capsnet::testing::run_command(kCli + " segcaps --canvas 30 --out " + (dir / "o") + " --data " + (dir / "none"));
@@ -598,7 +664,7 @@ TEST(SegCapsCli, BadOptions) {
   for (const std::string bad : {"foo", "0", "-1", "nan", "2e6", "1x"}) {
     r = capsnet::testing::run_command(kCli + " segcaps --pos-weight " + bad + " --out " + (dir / "o"));
     EXPECT_NE(r.status, 0) << bad;
-    EXPECT_NE(r.output.find("--pos-weight must be 'auto' or a number"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("--pos-weight must be 'auto', 'dataset' or a number"), std::string::npos) << r.output;
   }
   r = capsnet::testing::run_command(kCli + " segcaps --recon-weight -1 --out " + (dir / "o"));
   EXPECT_NE(r.status, 0);
