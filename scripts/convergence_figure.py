@@ -12,9 +12,10 @@ run's colour, and the table names the epoch the validation picked (best.pt) with
 Options: --pause-seconds LABEL=S[@EPOCH] subtracts S seconds of a stopped process from the times of
 that run's evaluations after EPOCH (default: all).
 """
-import json
 import math
 import sys
+
+from svg_io import plot_frame, records, write_svg
 
 ANCHORS = [  # (test error %, label) for MNIST: the paper and the best verified reimplementations
     (0.25, "paper 0.25%"),
@@ -27,25 +28,18 @@ THRESHOLDS = [0.99, 0.995, 0.996, 0.997]
 
 def read_run(path):
     evals, val, start_time, segment_base, last_train_seconds = [], [], None, 0.0, 0.0
-    with open(path) as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(r, dict):
-                continue
-            if r.get("event") == "start":
-                if start_time is None:
-                    start_time = r.get("time")
-                segment_base += last_train_seconds  # a resumed segment counts its steps from 0
-                last_train_seconds = 0.0
-            elif r.get("event") == "eval" and "accuracy" in r:
-                last_train_seconds = r.get("train_seconds", 0.0)
-                e = {"epoch": r["epoch"], "accuracy": r["accuracy"], "loss": r.get("loss", 0.0),
-                     "wall": (r["time"] - start_time) if start_time and "time" in r else None,
-                     "train": segment_base + last_train_seconds}
-                (val if r.get("split") == "val" else evals).append(e)
+    for r in records(path):
+        if r.get("event") == "start":
+            if start_time is None:
+                start_time = r.get("time")
+            segment_base += last_train_seconds  # a resumed segment counts its steps from 0
+            last_train_seconds = 0.0
+        elif r.get("event") == "eval" and "accuracy" in r:
+            last_train_seconds = r.get("train_seconds", 0.0)
+            e = {"epoch": r["epoch"], "accuracy": r["accuracy"], "loss": r.get("loss", 0.0),
+                 "wall": (r["time"] - start_time) if start_time and "time" in r else None,
+                 "train": segment_base + last_train_seconds}
+            (val if r.get("split") == "val" else evals).append(e)
     return evals, val
 
 
@@ -56,10 +50,7 @@ def svg(runs, out):
     lo, hi = math.log10(min(errors) * 0.8), math.log10(max(errors) * 1.2)
     x = lambda ep: L + (W - L - R) * ep / max_epoch
     y = lambda err: T + (H - T - B) * (hi - math.log10(err)) / (hi - lo)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
-             f'<rect x="0" y="0" width="{W}" height="{H}" fill="white"/>',
-             f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="#333"/>',
-             f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="#333"/>']
+    parts = plot_frame(W, H, L, R, T, B)
     for err in [0.2, 0.3, 0.4, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0]:
         if lo <= math.log10(err) <= hi:
             parts.append(f'<line x1="{L - 4}" y1="{y(err):.1f}" x2="{W - R}" y2="{y(err):.1f}" stroke="#eee"/>')
@@ -84,9 +75,7 @@ def svg(runs, out):
             parts.append(f'<circle cx="{x(e["epoch"]):.1f}" cy="{y(100 * (1 - e["accuracy"])):.1f}" r="2.5" fill="{c}"/>')
         parts.append(f'<line x1="{L + 10}" y1="{T + 14 + 16 * i}" x2="{L + 30}" y2="{T + 14 + 16 * i}" stroke="{c}" stroke-width="2"/>')
         parts.append(f'<text x="{L + 36}" y="{T + 18 + 16 * i}">{label}{" (dashed: validation)" if va else ""}</text>')
-    parts.append("</svg>")
-    with open(out, "w") as f:
-        f.write("\n".join(parts) + "\n")
+    write_svg(parts, out)
 
 
 def picked(ev, va):

@@ -12,8 +12,9 @@ Per run, two series from the metrics log:
 The paper's results after 60M pairs (CapsNet 5.2%, baseline CNN 8.1%) are drawn as horizontal lines.
 Prints each run's eval points as a table.
 """
-import json
 import sys
+
+from svg_io import plot_frame, records, write_svg
 
 ANCHORS = [(5.2, "paper CapsNet 5.2% (60M pairs)"), (8.1, "paper baseline CNN 8.1% (60M pairs)")]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
@@ -22,18 +23,13 @@ COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
 def read_run(path):
     evals, windows = [], []
     batch = None
-    with open(path) as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if r.get("event") == "start":
-                batch = r.get("train", {}).get("batch_size", batch)
-            elif r.get("event") == "train" and "accuracy" in r:
-                windows.append((r["images_seen"], 100 * (1 - r["accuracy"])))
-            elif r.get("event") == "eval" and "accuracy" in r and batch:
-                evals.append((r["step"] * batch, 100 * (1 - r["accuracy"]), r.get("examples")))
+    for r in records(path):
+        if r.get("event") == "start":
+            batch = r.get("train", {}).get("batch_size", batch)
+        elif r.get("event") == "train" and "accuracy" in r:
+            windows.append((r["images_seen"], 100 * (1 - r["accuracy"])))
+        elif r.get("event") == "eval" and "accuracy" in r and batch:
+            evals.append((r["step"] * batch, 100 * (1 - r["accuracy"]), r.get("examples")))
     return evals, windows
 
 
@@ -42,10 +38,7 @@ def svg(runs, out):
     max_x = max([x for _, ev, win in runs for x, *_ in ev + win])
     x = lambda v: L + (W - L - R) * v / max_x
     y = lambda err: T + (H - T - B) * (100 - err) / 100
-    p = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
-         f'<rect x="0" y="0" width="{W}" height="{H}" fill="white"/>',
-         f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="#333"/>',
-         f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="#333"/>']
+    p = plot_frame(W, H, L, R, T, B)
     for err in range(0, 101, 10):
         p.append(f'<line x1="{L - 4}" y1="{y(err):.1f}" x2="{W - R}" y2="{y(err):.1f}" stroke="#eee"/>')
         p.append(f'<text x="{L - 8}" y="{y(err) + 4:.1f}" text-anchor="end">{err}%</text>')
@@ -72,9 +65,7 @@ def svg(runs, out):
         ly = T + 14 + 16 * k
         p.append(f'<line x1="{L + 250}" y1="{ly - 4}" x2="{L + 270}" y2="{ly - 4}" stroke="{c}" stroke-width="2"/>')
         p.append(f'<text x="{L + 276}" y="{ly}">{label}: test pairs (dots); dashed: on the fly</text>')
-    p.append("</svg>")
-    with open(out, "w") as f:
-        f.write("\n".join(p) + "\n")
+    write_svg(p, out)
 
 
 def main(argv):

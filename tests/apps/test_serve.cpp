@@ -310,13 +310,19 @@ std::pair<double, std::string> trickle(int port, const std::string& head, std::c
   return {std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), answer};
 }
 
-TEST(ServeDeadlines, SlowClientsAreCutOffAtTheRequestDeadlineAndDoNotStarveOthers) {
-  torch::manual_seed(3);
-  models::CapsNet model(testing::tiny_config());
+// A server for one test: any free port, no runs directory, two workers.
+apps::ServeOptions bare_server_options() {
   apps::ServeOptions options;
   options.port = 0;
   options.runs_dir = "";
   options.worker_threads = 2;
+  return options;
+}
+
+TEST(ServeDeadlines, SlowClientsAreCutOffAtTheRequestDeadlineAndDoNotStarveOthers) {
+  torch::manual_seed(3);
+  models::CapsNet model(testing::tiny_config());
+  auto options = bare_server_options();
   options.request_seconds = 1;  // header + body, whole request
   apps::LiveViewer viewer(model, options);
   const int port = viewer.bind();
@@ -381,10 +387,7 @@ size_t flood(int port, const std::string& head, const std::string& filler, size_
 TEST(ServeLimits, EveryPartOfARequestIsBoundedWhateverItsFraming) {
   torch::manual_seed(3);
   models::CapsNet model(testing::tiny_config());
-  apps::ServeOptions options;
-  options.port = 0;
-  options.runs_dir = "";
-  options.worker_threads = 2;
+  const auto options = bare_server_options();
   apps::LiveViewer viewer(model, options);  // --max-body 64 KiB: a request may read 128 KiB in all
   const int port = viewer.bind();
   std::thread server([&] { viewer.listen(); });
