@@ -37,12 +37,12 @@ constexpr int64_t kCanvas = 40;
 
 using Clock = std::chrono::steady_clock;
 
-struct Flags {
-  DataFlags data;
-  ComparisonFlags train;  // defaults: 200 steps of 32
-  std::string out_dir = "runs/affine", model = "both";
-  int64_t train_limit = 0, test_limit = 2000, max_shift = 6;
-  uint64_t test_seed = 2017;
+struct Flags : ComparisonCommandFlags {  // training defaults: 200 steps of 32
+  Flags() {
+    out_dir = "runs/affine";
+    test_seed = 2017;
+  }
+  int64_t max_shift = 6;
   bool cnn_no_pool = false, no_robustness = false;
   std::string write_sets;  // --write-sets DIR: write the test sets as IDX files and train nothing
 };
@@ -314,21 +314,13 @@ Subcommand add_affine(CLI::App& root) {
       "affine",
       "Affine robustness: train CapsNet / baseline CNN on 40x40 translated MNIST, test on translated MNIST and an "
       "affNIST-style set (generated here, not the real affNIST)");
-  add_data_flags(*app, f->data);
-  app->add_option("--out", f->out_dir, "Output directory (affine.json, metrics.jsonl, example figure)")
-      ->capture_default_str();
-  app->add_option("--model", f->model, "Which model(s) to train")
-      ->check(CLI::IsMember({"capsnet", "cnn", "both"}))
-      ->capture_default_str();
-  add_comparison_flags(*app, f->train, "the translated test set");
-  app->add_option("--test-seed", f->test_seed, "Seed of the two generated test sets")->capture_default_str();
+  add_comparison_command_flags(*app, *f,
+                               {"Output directory (affine.json, metrics.jsonl, example figure)",
+                                "Which model(s) to train", "Seed of the two generated test sets",
+                                "Use only the first N training images (0 = all)",
+                                "Build the test sets from the first N test images (0 = all)", "the translated test set"});
   app->add_option("--max-shift", f->max_shift, "Training placement: shift from the centre, pixels per axis (<= 6)")
       ->check(CLI::Range(0, 6))
-      ->capture_default_str();
-  app->add_option("--train-limit", f->train_limit, "Use only the first N training images (0 = all)")
-      ->check(CLI::NonNegativeNumber);
-  app->add_option("--test-limit", f->test_limit, "Build the test sets from the first N test images (0 = all)")
-      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app->add_flag("--no-robustness", f->no_robustness,
                 "Skip the robustness curve (every model scored on 12 warped copies of the test digits: rotation, "

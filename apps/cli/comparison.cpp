@@ -36,6 +36,20 @@ nlohmann::json ComparisonFlags::to_json() const {
   return j;
 }
 
+void add_comparison_command_flags(CLI::App& app, ComparisonCommandFlags& f, const ComparisonCommandHelp& help) {
+  add_data_flags(app, f.data);
+  app.add_option("--out", f.out_dir, help.out)->capture_default_str();
+  app.add_option("--model", f.model, help.model)
+      ->check(CLI::IsMember({"capsnet", "cnn", "both"}))
+      ->capture_default_str();
+  add_comparison_flags(app, f.train, help.epoch_evaluation);
+  app.add_option("--test-seed", f.test_seed, help.test_seed)->capture_default_str();
+  app.add_option("--train-limit", f.train_limit, help.train_limit)->check(CLI::NonNegativeNumber);
+  app.add_option("--test-limit", f.test_limit, help.test_limit)
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+}
+
 void add_comparison_flags(CLI::App& app, ComparisonFlags& f, const std::string& epoch_evaluation) {
   app.add_option("--steps", f.steps, "Optimizer steps per model (ignored with --epochs)")
       ->check(CLI::PositiveNumber)

@@ -13,6 +13,7 @@
 #include "capsnet/train/classifier_task.h"
 #include "capsnet/kernels/precision.h"
 #include "capsnet/train/loop.h"
+#include "apps/cli/commands.h"
 
 namespace capsnet::apps::cli {
 
@@ -39,6 +40,26 @@ struct ComparisonFlags {
 /// with the values already in `f` as their defaults. `epoch_evaluation` names what is evaluated after
 /// each epoch without a validation split (e.g. "the translated test set").
 void add_comparison_flags(CLI::App& app, ComparisonFlags& f, const std::string& epoch_evaluation);
+
+/// What both comparison commands hold besides their training flags: data, output, which models, the
+/// training and test image limits and the seed of the generated test set(s).
+struct ComparisonCommandFlags {
+  DataFlags data;
+  ComparisonFlags train;
+  std::string out_dir, model = "both";
+  int64_t train_limit = 0, test_limit = 2000;
+  uint64_t test_seed = 0;
+};
+
+/// How a comparison command describes the flags add_comparison_command_flags registers.
+struct ComparisonCommandHelp {
+  std::string out, model, test_seed, train_limit, test_limit;
+  std::string epoch_evaluation;  // as add_comparison_flags
+};
+
+/// Registers the data flags, --out, --model (capsnet, cnn or both), the training flags
+/// (add_comparison_flags), --test-seed, --train-limit and --test-limit.
+void add_comparison_command_flags(CLI::App& app, ComparisonCommandFlags& f, const ComparisonCommandHelp& help);
 
 /// The loop options of one model: `steps` steps at a constant rate, or whole epochs (learning rate
 /// × lr_decay per epoch, evaluated after each, stopping at the target accuracy). With a validation split

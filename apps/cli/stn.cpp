@@ -31,13 +31,14 @@ constexpr int64_t kCanvas = data::kDistortedCanvas;
 
 using Clock = std::chrono::steady_clock;
 
-struct Flags {
-  Flags() { train.steps = 300; }
-  DataFlags data;
-  ComparisonFlags train;  // defaults: 300 steps of 32
-  std::string out_dir = "runs/stn", model = "both", stn = "both";
-  int64_t train_limit = 0, test_limit = 2000, figure_examples = 12;
-  uint64_t test_seed = 2015;
+struct Flags : ComparisonCommandFlags {  // training defaults: 300 steps of 32
+  Flags() {
+    train.steps = 300;
+    out_dir = "runs/stn";
+    test_seed = 2015;
+  }
+  std::string stn = "both";
+  int64_t figure_examples = 12;
   bool small = false;
 };
 
@@ -276,21 +277,14 @@ Subcommand add_stn(CLI::App& root) {
       "stn",
       "Distorted-MNIST experiment: CapsNet / baseline CNN with and without a spatial transformer (42x42 rotated, "
       "scaled, translated digits; stn.json, stn.md, metrics, figure)");
-  add_data_flags(*app, f->data);
-  app->add_option("--out", f->out_dir, "Output directory (stn.json, stn.md, metrics.jsonl, stn_transforms.png)")
-      ->capture_default_str();
-  app->add_option("--model", f->model, "Which model(s): capsnet, cnn or both")
-      ->check(CLI::IsMember({"capsnet", "cnn", "both"}))
-      ->capture_default_str();
+  add_comparison_command_flags(*app, *f,
+                               {"Output directory (stn.json, stn.md, metrics.jsonl, stn_transforms.png)",
+                                "Which model(s): capsnet, cnn or both", "Seed of the distorted test set",
+                                "Draw training digits from the first N images only (0 = all)",
+                                "Build the test set from the first N test images (0 = all)",
+                                "nothing (the test set is scored at the end only)"});
   app->add_option("--stn", f->stn, "Spatial transformer: on, off or both (the 2x2 grid with --model both)")
       ->check(CLI::IsMember({"on", "off", "both"}))
-      ->capture_default_str();
-  add_comparison_flags(*app, f->train, "nothing (the test set is scored at the end only)");
-  app->add_option("--test-seed", f->test_seed, "Seed of the distorted test set")->capture_default_str();
-  app->add_option("--train-limit", f->train_limit, "Draw training digits from the first N images only (0 = all)")
-      ->check(CLI::NonNegativeNumber);
-  app->add_option("--test-limit", f->test_limit, "Build the test set from the first N test images (0 = all)")
-      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app->add_option("--figure-examples", f->figure_examples, "Test digits in stn_transforms.png per STN run")
       ->check(CLI::PositiveNumber)
