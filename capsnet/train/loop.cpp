@@ -20,6 +20,15 @@
 namespace capsnet::train {
 namespace {
 
+// Whether `file` lies directly in `dir`, however either is spelled (false when either cannot be resolved).
+bool in_directory(const std::string& file, const std::string& dir) {
+  std::error_code ec;
+  const auto parent = std::filesystem::absolute(file, ec).parent_path();
+  if (ec) return false;
+  const bool same = std::filesystem::equivalent(parent, dir, ec);
+  return !ec && same;
+}
+
 using Clock = std::chrono::steady_clock;
 
 bool all_finite(const std::vector<torch::Tensor>& tensors) {
@@ -347,8 +356,9 @@ class LoopRun {
     // it): it stays until this run saves its own, and a divergence before that says so.
     std::error_code exists_error;
     previous_checkpoint_ = options_.resume.empty() && std::filesystem::exists(ckpt_, exists_error);
-    // A fresh run's first checkpoint replaces the previous run's; its best.pt goes with it.
-    stale_best_ = options_.resume.empty() && lead_;
+    // A fresh run's first checkpoint replaces the previous run's; its best.pt goes with it. So does the
+    // best.pt of a folder that continues another folder's run: it belongs to neither.
+    stale_best_ = lead_ && (options_.resume.empty() || !in_directory(options_.resume, options_.out_dir));
   }
 
   void write_start() {

@@ -383,6 +383,58 @@ TEST(LoopTest, ATargetAccuracyStopsAtTheFirstEpochThatReachesIt) {
   EXPECT_EQ(train::run(mse_only, o3, log).end_step, 6);
 }
 
+/// The regression task with a scripted validation accuracy per epoch end (then 0).
+class ScriptedValidationTask : public RegressionTask {
+ public:
+  explicit ScriptedValidationTask(std::vector<double> accuracies)
+      : RegressionTask(10, true), accuracies_(std::move(accuracies)) {}
+  std::optional<train::Evaluation> evaluate_validation(std::ostream*) override {
+    const size_t k = static_cast<size_t>(validations_++);
+    const double acc = k < accuracies_.size() ? accuracies_[k] : 0.0;
+    return train::Evaluation{{{"accuracy", acc}, {"loss", 1.0}}, fmt::format("val {}", acc)};
+  }
+
+ private:
+  std::vector<double> accuracies_;
+  int64_t validations_ = 0;
+};
+
+TEST(LoopTest, BestPtIsTheFoldersOwnRunsOrNone) {
+  TempDir dir;
+  std::ostringstream log;
+  ScriptedValidationTask first({0.5, 0.9});
+  auto o = options(dir / "a");
+  o.epochs = 2;  // 3 steps per epoch
+  auto a = train::run(first, o, log);
+  ASSERT_EQ(a.best_validation_step, 6);
+  const auto best_a = train::best_checkpoint_path(o.out_dir);
+  ASSERT_TRUE(std::filesystem::exists(best_a));
+
+  // Continued in its own folder with a worse epoch: best.pt stays, the best is remembered.
+  ScriptedValidationTask worse({0.4});
+  auto more = o;
+  more.epochs = 3;
+  more.resume = a.checkpoint;
+  auto b = train::run(worse, more, log);
+  EXPECT_EQ(b.best_validation_step, 6);
+  EXPECT_EQ(train::read_checkpoint_meta(best_a).step, 6);
+
+  // Continued in another folder: that folder's best.pt is an older run's, not this one's, and goes at the
+  // first save; the worse epoch writes none, so the folder has no best.pt (the best stays in a's folder).
+  const std::string other = dir / "other";
+  std::filesystem::create_directories(other);
+  std::ofstream(train::best_checkpoint_path(other)) << "an older run's best";
+  ScriptedValidationTask elsewhere({0.4});
+  auto moved = more;
+  moved.out_dir = other;
+  moved.epochs = 4;
+  moved.resume = b.checkpoint;  // step 9, in a's folder
+  auto c = train::run(elsewhere, moved, log);
+  EXPECT_EQ(c.end_step, 12);
+  EXPECT_EQ(c.best_validation_step, 6);
+  EXPECT_FALSE(std::filesystem::exists(train::best_checkpoint_path(other)));
+}
+
 TEST(LoopTest, EvalEveryAddsMidEpochEvaluationsAtThoseStepsOnly) {
   TempDir dir;
   std::ostringstream log;

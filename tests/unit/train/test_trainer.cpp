@@ -214,6 +214,7 @@ TEST(TrainerTest, AResumeKeepsTheBestValidationAndAFreshRunDropsTheOldBest) {
   EXPECT_GE(*b.best_validation_accuracy, *a.best_validation_accuracy);  // the earlier best is remembered
   if (b.best_validation_step == a.best_validation_step)
     EXPECT_EQ(*b.best_validation_accuracy, *a.best_validation_accuracy);
+  EXPECT_TRUE(std::filesystem::exists(train::best_checkpoint_path(o.loop.out_dir)));  // its own: kept
 
   // A validation split larger than the data, and a negative one, are refused by name.
   auto bad = o;
