@@ -85,12 +85,11 @@ def main():
         return loss.item()
 
     def predict(x):
-        model.eval()
         return model(x)[0].argmax(1)
 
     result = {"config": "peer", "impl": "plain PyTorch (Python, eager) " + torch.__version__,
               "threads": torch.get_num_threads()}
-    result.update(measure_peer(train_step, predict, images, args, torch.no_grad))
+    result.update(measure_peer(train_step, model, predict, images, args, torch.no_grad))
     print(json.dumps(result))
     sys.stdout.flush()
 

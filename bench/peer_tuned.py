@@ -335,7 +335,6 @@ def measure(model, args, config, impl, extra=None):
         return loss.item()
 
     def predict(x):
-        model.eval()
         return model(x)[0].argmax(1)
 
     @contextlib.contextmanager
@@ -345,7 +344,7 @@ def measure(model, args, config, impl, extra=None):
 
     result = {"config": config + ("-bf16" if args.precision == "bf16" else ""),
               "impl": impl + " " + torch.__version__, "threads": torch.get_num_threads()}
-    result.update(measure_peer(train_step, predict, images, args, inference))
+    result.update(measure_peer(train_step, model, predict, images, args, inference))
     result.update({"precision": args.precision, "channels_last": args.channels_last,
                    "malloc_tuned": args.malloc_tuned})
     result.update(extra or {})

@@ -53,17 +53,19 @@ def rss_mb(field):
     return float("nan")
 
 
-def measure_peer(train_step, predict, images, args, inference_ctx):
+def measure_peer(train_step, model, predict, images, args, inference_ctx):
     """The figures of `capsnet bench` for one peer: `train_step()` timed over args.steps steps after 2
-    warm-up steps (peak RSS of that phase), then `predict(x)` (classes [B] of images x, in eval mode)
-    on args.infer_batches batches of `images` [B, 1, 28, 28] and args.latency_runs single images, each
-    inside a fresh `inference_ctx()`. Returns the JSON fields shared by every peer."""
+    warm-up steps (peak RSS of that phase), then, with `model` in eval mode (set once, outside the timed
+    calls), `predict(x)` (classes [B] of images x) on args.infer_batches batches of `images`
+    [B, 1, 28, 28] and args.latency_runs single images, inside one `inference_ctx()`. Returns the JSON
+    fields shared by every peer."""
     B = images.shape[0]
     rss_before = rss_mb("VmRSS")
     reset_peak_rss()
     times = wall_times(train_step, args.steps, warmup=2)
     train_peak = rss_mb("VmHWM")
 
+    model.eval()
     with inference_ctx():
         infer = wall_times(lambda: predict(images), args.infer_batches, warmup=1)
         one = images[:1].clone()
