@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from timing import add_peer_args, measure_peer
+from timing import add_peer_args, capsnet_steps, measure_peer
 
 
 def squash(s, dim=-1, eps=1e-8):
@@ -76,17 +76,7 @@ def main():
     images = torch.rand(B, 1, 28, 28)
     labels = torch.randint(0, 10, (B,))
 
-    def train_step():
-        opt.zero_grad()
-        lengths, recon = model(images, labels)
-        loss = loss_fn(lengths, recon, images, labels)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    def predict(x):
-        return model(x)[0].argmax(1)
-
+    train_step, predict = capsnet_steps(model, opt, loss_fn, images, labels)
     result = {"config": "peer", "impl": "plain PyTorch (Python, eager) " + torch.__version__,
               "threads": torch.get_num_threads()}
     result.update(measure_peer(train_step, model, predict, images, args, torch.no_grad))

@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import add_peer_args, measure_peer  # noqa: E402
+from timing import add_peer_args, capsnet_steps, measure_peer  # noqa: E402
 
 I_CAPS, J_CAPS, D_OUT, D_IN = 1152, 10, 16, 8
 
@@ -325,18 +325,8 @@ def measure(model, args, config, impl, extra=None):
     if args.channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
 
-    def train_step():
-        opt.zero_grad(set_to_none=True)
-        with autocast_ctx(args.precision):
-            lengths, recon = model(images, labels)
-            loss = loss_fn(lengths, recon, images, labels)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    def predict(x):
-        return model(x)[0].argmax(1)
-
+    train_step, predict = capsnet_steps(model, opt, loss_fn, images, labels,
+                                        autocast=lambda: autocast_ctx(args.precision), set_to_none=True)
     @contextlib.contextmanager
     def inference():
         with torch.inference_mode(), autocast_ctx(args.precision):

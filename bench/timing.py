@@ -1,6 +1,7 @@
 """Timing helpers shared by the bench/ programs (run as `python3 bench/NAME.py`, so this folder is on
 sys.path): the micro-benchmarks' median, and the one measurement every plain-PyTorch peer of
 `capsnet bench` makes, so that all peers are measured alike."""
+import contextlib
 import math
 import os
 import statistics
@@ -51,6 +52,25 @@ def rss_mb(field):
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024.0
     return float("nan")
+
+
+def capsnet_steps(model, opt, loss_fn, images, labels, autocast=contextlib.nullcontext, set_to_none=False):
+    """A CapsNet peer's two timed closures: one optimiser step on (images, labels) under `autocast` that
+    returns the loss, and the predicted classes of a batch (the longest digit capsule)."""
+
+    def train_step():
+        opt.zero_grad(set_to_none=set_to_none)
+        with autocast():
+            lengths, recon = model(images, labels)
+            loss = loss_fn(lengths, recon, images, labels)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    def predict(x):
+        return model(x)[0].argmax(1)
+
+    return train_step, predict
 
 
 def measure_peer(train_step, model, predict, images, args, inference_ctx):

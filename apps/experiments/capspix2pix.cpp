@@ -282,8 +282,7 @@ Pix2pixTrainResult train_pix2pix(const Pix2pixTrainOptions& options, const data:
                                             train_set.size(), options.model.image_size));
   Pix2pixTask task(options, train_set, test_set);
   auto r = train::run(task, options.loop, log);
-  Pix2pixTrainResult result;
-  static_cast<train::RunStats&>(result) = train::RunStats::of(r);
+  Pix2pixTrainResult result{train::RunStats::of(r)};
   result.model = task.model_;
   // A resume of a finished run trains no step and so never evaluates: do it here.
   result.test = r.evaluation ? task.last_

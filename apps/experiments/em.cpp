@@ -182,8 +182,7 @@ EmTrainResult train_em(const EmTrainOptions& options, const data::ImageSet& trai
                                             options.model.image_size, options.model.image_size));
   EmTask task(options, train_set, test_set);
   auto r = train::run(task, options.loop, log, std::move(group));
-  EmTrainResult result;
-  static_cast<train::RunStats&>(result) = train::RunStats::of(r);
+  EmTrainResult result{train::RunStats::of(r)};
   result.model = task.model_;
   // Training accuracy over the last log_every steps (what the last "train" record shows).
   const auto tail = std::min<size_t>(r.accuracies.size(), static_cast<size_t>(options.loop.log_every));

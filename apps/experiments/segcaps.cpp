@@ -151,8 +151,7 @@ SegCapsTrainResult train_segcaps(const SegCapsTrainOptions& options, const data:
                                             train_set.canvas_size(), options.model.image_size));
   SegCapsTask task(options, train_set, test_set);
   auto r = train::run(task, options.loop, log, std::move(group));
-  SegCapsTrainResult result;
-  static_cast<train::RunStats&>(result) = train::RunStats::of(r);
+  SegCapsTrainResult result{train::RunStats::of(r)};
   result.model = task.model_;
   result.test = task.last_;
   return result;

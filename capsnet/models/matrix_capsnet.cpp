@@ -101,18 +101,18 @@ void MatrixCapsNetImpl::reset() {
                                                          .stride(config.conv1_stride)));
   primary = register_module("primary", nn::PrimaryMatrixCaps(nn::PrimaryMatrixCapsOptions(config.conv1_channels,
                                                                                            config.primary_types)));
-  conv_caps1 = register_module(
-      "conv_caps1", nn::ConvMatrixCaps(nn::ConvMatrixCapsOptions(config.primary_types, config.conv1_caps_types)
-                                           .kernel_size(config.caps_kernel)
-                                           .stride(config.conv1_caps_stride)
-                                           .cross_window(config.cross_window_routing)
-                                           .routing(routing)));
-  conv_caps2 = register_module(
-      "conv_caps2", nn::ConvMatrixCaps(nn::ConvMatrixCapsOptions(config.conv1_caps_types, config.conv2_caps_types)
-                                           .kernel_size(config.caps_kernel)
-                                           .stride(config.conv2_caps_stride)
-                                           .cross_window(config.cross_window_routing)
-                                           .routing(routing)));
+  // The two convolutional capsule layers differ only in their types and stride.
+  const auto conv_caps = [&](int64_t in_types, int64_t out_types, int64_t stride) {
+    return nn::ConvMatrixCaps(nn::ConvMatrixCapsOptions(in_types, out_types)
+                                  .kernel_size(config.caps_kernel)
+                                  .stride(stride)
+                                  .cross_window(config.cross_window_routing)
+                                  .routing(routing));
+  };
+  conv_caps1 =
+      register_module("conv_caps1", conv_caps(config.primary_types, config.conv1_caps_types, config.conv1_caps_stride));
+  conv_caps2 = register_module("conv_caps2",
+                               conv_caps(config.conv1_caps_types, config.conv2_caps_types, config.conv2_caps_stride));
   class_caps = register_module(
       "class_caps", nn::ClassMatrixCaps(nn::ClassMatrixCapsOptions(config.conv2_caps_types, config.num_classes)
                                             .coordinate_addition(config.coordinate_addition)

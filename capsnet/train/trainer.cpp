@@ -61,8 +61,7 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
   if (options.validation_size > 0)
     task.set_validation(loss_evaluator(val, "val", options.eval_batch_size, &last_validation));
   auto r = run(task, options.loop, log, std::move(group));
-  TrainResult result;
-  static_cast<RunStats&>(result) = RunStats::of(r);
+  TrainResult result{RunStats::of(r)};
   result.start_step = r.start_step;
   result.test = std::move(last_test);
   result.validation = std::move(last_validation);

@@ -5,6 +5,7 @@
 #include <iterator>
 #include <nlohmann/json.hpp>
 
+#include "cli_helpers.h"
 #include "test_helpers.h"
 
 namespace capsnet {
@@ -60,11 +61,8 @@ TEST(AblationCliTest, TrainsEveryCombinationWritesTableAndReusesFinishedRuns) {
 }
 
 TEST(AblationCliTest, RejectsBadGridValues) {
-  auto r = run_command(kCli + " ablation --reconstruction maybe");
-  EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.output.find("maybe"), std::string::npos) << r.output;
-  r = run_command(kCli + " ablation --routing 0");
-  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(testing::FailsSaying(testing::run_cli("ablation --reconstruction maybe"), "maybe"));
+  EXPECT_NE(testing::run_cli("ablation --routing 0").status, 0);
 }
 
 }  // namespace

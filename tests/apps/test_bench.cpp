@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "apps/benchmark.h"
+#include "cli_helpers.h"
 #include "test_helpers.h"
 
 namespace capsnet {
@@ -201,22 +202,15 @@ TEST(BenchCliTest, AConfigurationRunsAtAnotherImageSideWhenNamedWithIt) {
   EXPECT_GT(gflops.at("fused@40").at("forward_gflop_per_image").get<double>(),
             3.5 * gflops.at("fused").at("forward_gflop_per_image").get<double>());
   std::filesystem::remove(jsonl);
-  for (const std::string bad : {"fused@7", "fused@forty", "peer@40", "fused@", "tensorflow@40"}) {
-    r = run_command(kCli + " bench --configs " + bad);
-    EXPECT_NE(r.status, 0) << bad;
-    EXPECT_NE(r.output.find(bad.substr(0, bad.find('@'))), std::string::npos) << r.output;
-  }
-  r = run_command(kCli + " bench --configs peer@40");
-  EXPECT_NE(r.output.find("the peers run 28x28 only"), std::string::npos) << r.output;
+  for (const std::string bad : {"fused@7", "fused@forty", "peer@40", "fused@", "tensorflow@40"})
+    EXPECT_TRUE(testing::FailsSaying(testing::run_cli("bench --configs " + bad), bad.substr(0, bad.find('@')))) << bad;
+  EXPECT_TRUE(testing::FailsSaying(testing::run_cli("bench --configs peer@40"), "the peers run 28x28 only"));
 }
 
 TEST(BenchCliTest, UnknownConfigurationAndMissingPythonAreClearErrors) {
-  auto r = run_command(kCli + " bench --configs fused,tensorflow");
-  EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.output.find("tensorflow"), std::string::npos) << r.output;
-  r = run_command(kCli + " bench --configs peer --python /nonexistent/python3");
-  EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.output.find("/nonexistent/python3"), std::string::npos) << r.output;
+  EXPECT_TRUE(testing::FailsSaying(testing::run_cli("bench --configs fused,tensorflow"), "tensorflow"));
+  EXPECT_TRUE(testing::FailsSaying(testing::run_cli("bench --configs peer --python /nonexistent/python3"),
+                                   "/nonexistent/python3"));
 }
 
 }  // namespace

@@ -355,16 +355,16 @@ TEST(Pix2pixPrecision, CheckpointOfABf16RunLoadsIntoAnFp32Model) {
       test_set(testing::synthetic_set(10, 28, 3), 3, maps16());
   experiments::Pix2pixTrainOptions o;
   o.model = pix2pix_config("caps");
-  o.loop.out_dir = dir / "run";
+  o.loop.out_dir = dir / "run";  // the experiment's own loop defaults otherwise
+  o.loop.precision = Precision::kBFloat16;
   o.loop.max_steps = 2;
   o.loop.batch_size = 2;
+  o.loop.log_every = 1;
+  o.loop.progress = false;
   o.test_size = 2;
   o.eval_batch_size = 2;
   o.diversity_maps = 1;
   o.diversity_samples = 2;
-  o.loop.log_every = 1;
-  o.loop.progress = false;
-  o.loop.precision = Precision::kBFloat16;
   std::ostringstream log;
   auto r = experiments::train_pix2pix(o, train_set, test_set, log);
   EXPECT_EQ(r.model->precision(), Precision::kBFloat16);

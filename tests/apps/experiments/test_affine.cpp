@@ -24,6 +24,7 @@
 #include "capsnet/models/capsnet.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/viz/png.h"
+#include "cli_helpers.h"
 #include "test_helpers.h"
 #include "tiny_configs.h"
 
@@ -430,12 +431,10 @@ TEST(AffineDataTest, TheRobustnessFamilyVariesOneWarpAtATimeAndItsSetsShowIt) {
 // ---- the `capsnet affine` command, end to end on a fake MNIST directory ------------------------
 
 TEST(AffineCliTest, TrainsBothModelsAndWritesReportFigureAndMetrics) {
-  testing::TempDir dir;
-  const std::string data_dir = dir / "mnist", out = dir / "run";
-  testing::write_mnist_dir(data_dir, digit_like_set(16, 21), digit_like_set(6, 22));
-  const std::string cli = CAPSNET_CLI;
-  auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
-                                " --model both --steps 1 --batch-size 2 --no-progress --threads 1");
+  const testing::CliFolder run("run");
+  const std::string& out = run.out;
+  testing::write_mnist_dir(run.data, digit_like_set(16, 21), digit_like_set(6, 22));
+  auto r = run.run("affine", "--model both --steps 1 --batch-size 2");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("NOT the real affNIST"), std::string::npos) << r.output;
   std::ifstream in(out + "/affine.json");
@@ -464,9 +463,7 @@ TEST(AffineCliTest, TrainsBothModelsAndWritesReportFigureAndMetrics) {
   while (std::getline(metrics, line)) evals += nlohmann::json::parse(line)["event"] == "eval";
   EXPECT_EQ(evals, 4);  // 2 models x 2 test sets
 
-  auto bad = testing::run_command(cli + " affine --data " + data_dir + " --out " + out + " --model resnet");
-  EXPECT_NE(bad.status, 0);
-  EXPECT_NE(bad.output.find("resnet"), std::string::npos) << bad.output;
+  EXPECT_TRUE(testing::FailsSaying(run.run("affine", "--model resnet"), "resnet"));
 }
 
 nlohmann::json read_json(const std::string& path) {
@@ -480,13 +477,11 @@ nlohmann::json read_json(const std::string& path) {
 // family at increasing severity); a set's accuracy is the model's on exactly the set its entry describes
 // (recomputed here from the checkpoint and the entry's seed and ranges).
 TEST(AffineCliTest, EveryModelIsScoredOnEachWarpOfTheRobustnessFamily) {
-  testing::TempDir dir;
-  const std::string data_dir = dir / "mnist", out = dir / "run";
+  const testing::CliFolder run("run");
+  const std::string& out = run.out;
   const auto test = digit_like_set(12, 42);
-  testing::write_mnist_dir(data_dir, digit_like_set(16, 41), test);
-  const std::string cli = CAPSNET_CLI;
-  auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
-                                " --model cnn --steps 1 --batch-size 4 --lr 1e-9 --precision fp32 --no-progress --threads 1");
+  testing::write_mnist_dir(run.data, digit_like_set(16, 41), test);
+  auto r = run.run("affine", "--model cnn --steps 1 --batch-size 4 --lr 1e-9 --precision fp32");
   ASSERT_EQ(r.status, 0) << r.output;
   const auto report = read_json(out + "/affine.json");
   const auto& sets = report["robustness_sets"];
@@ -529,34 +524,38 @@ TEST(AffineCliTest, EveryModelIsScoredOnEachWarpOfTheRobustnessFamily) {
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 2 + 2 + 12) << text;
 
   // --no-robustness skips it.
-  const std::string plain = dir / "plain";
-  r = testing::run_command(cli + " affine --data " + data_dir + " --out " + plain +
-                           " --model cnn --steps 1 --batch-size 4 --no-robustness --no-progress --threads 1");
+  const std::string plain = run.dir / "plain";
+  r = run.run_to(plain, "affine", "--model cnn --steps 1 --batch-size 4 --no-robustness");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_FALSE(read_json(plain + "/affine.json")["results"][0].contains("robustness"));
   EXPECT_FALSE(std::filesystem::exists(plain + "/robustness.md"));
+}
+
+// Trains `model` (capsnet or cnn) for one step in `run` on 8 training and 4 test digits (digit_like_set with
+// seeds seed and seed + 1) and returns its checkpoint.
+std::string train_one_step(const testing::CliFolder& run, const std::string& model, uint64_t seed) {
+  testing::write_mnist_dir(run.data, digit_like_set(8, seed), digit_like_set(4, seed + 1));
+  auto r = run.run("affine", "--model " + model + " --steps 1 --batch-size 2 --no-robustness");
+  EXPECT_EQ(r.status, 0) << r.output;
+  return run.out + "/" + model + "/checkpoint.pt";
 }
 
 // A trained 40x40 model is scored by `capsnet eval --images X --labels Y` on any labelled IDX set of its
 // side (here generated), with the same accuracy the model gives those images; a set of another side, a
 // label file of another length, or one of the two flags alone is refused in one line.
 TEST(AffineCliTest, EvalScoresAFortyPixelModelOnAnyIdxSetOfItsSide) {
-  testing::TempDir dir;
-  const std::string data_dir = dir / "mnist", out = dir / "run";
-  testing::write_mnist_dir(data_dir, digit_like_set(8, 61), digit_like_set(4, 62));
-  const std::string cli = CAPSNET_CLI;
-  auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
-                                " --model capsnet --steps 1 --batch-size 2 --no-robustness --no-progress --threads 1");
-  ASSERT_EQ(r.status, 0) << r.output;
-  const std::string ckpt = out + "/capsnet/checkpoint.pt";
+  const testing::CliFolder run("run");
+  const auto& dir = run.dir;
+  const std::string ckpt = train_one_step(run, "capsnet", 61);
+  ASSERT_FALSE(HasFailure());
   const auto set = data::affine_test_set(digit_like_set(12, 63), 5, 40);  // 12 images of 40x40
   const std::string images = dir / "x40-images", labels = dir / "x40-labels", labels5 = dir / "five-labels";
   data::write_idx(images, set.images);
   data::write_idx(labels, set.labels.to(torch::kUInt8));
   data::write_idx(labels5, set.labels.narrow(0, 0, 5).to(torch::kUInt8));
 
-  r = testing::run_command(cli + " eval --checkpoint " + ckpt + " --images " + images + " --labels " + labels +
-                           " --precision fp32 --json --threads 1");
+  auto r = testing::run_cli("eval --checkpoint " + ckpt + " --images " + images + " --labels " + labels +
+                            " --precision fp32 --json --threads 1");
   ASSERT_EQ(r.status, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output.substr(r.output.find('{')));
   EXPECT_EQ(j["examples"], 12);
@@ -568,41 +567,33 @@ TEST(AffineCliTest, EvalScoresAFortyPixelModelOnAnyIdxSetOfItsSide) {
       model(data::to_float(set.images)).lengths.argmax(1).eq(set.labels).to(torch::kDouble).mean().item<double>();
   EXPECT_DOUBLE_EQ(j["accuracy"].get<double>(), acc);
 
-  const std::string base = cli + " eval --checkpoint " + ckpt;
   for (const auto& [args, needle] : std::vector<std::pair<std::string, std::string>>{
-           {" --images " + data_dir + "/t10k-images-idx3-ubyte --labels " + data_dir + "/t10k-labels-idx1-ubyte",
+           {" --images " + run.data + "/t10k-images-idx3-ubyte --labels " + run.data + "/t10k-labels-idx1-ubyte",
             "images are 28x28, but the model"},
            {" --images " + images + " --labels " + labels5, "5 labels but"},
-           {" --images " + images, "--labels"}}) {
-    r = testing::run_command(base + args);
-    EXPECT_NE(r.status, 0) << args;
-    EXPECT_NE(r.output.find(needle), std::string::npos) << args << ": " << r.output;
-  }
+           {" --images " + images, "--labels"}})
+    EXPECT_TRUE(testing::FailsSaying(testing::run_cli("eval --checkpoint " + ckpt + args), needle)) << args;
 }
 
 // The baseline CNN of a comparison is a model like the others: eval scores its checkpoint and its fp16
 // export on an IDX set (the accuracy its logits give), predict writes softmax probabilities whose
 // argmax is the class, and what a CNN cannot do (poses; a 40x40 model on 28x28 MNIST) is refused in one line.
 TEST(AffineCliTest, TheBaselineCnnIsEvaluatedExportedAndPredictedLikeAnyModel) {
-  testing::TempDir dir;
-  const std::string data_dir = dir / "mnist", out = dir / "run";
-  testing::write_mnist_dir(data_dir, digit_like_set(8, 81), digit_like_set(4, 82));
-  const std::string cli = CAPSNET_CLI;
-  auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
-                                " --model cnn --steps 1 --batch-size 2 --no-robustness --no-progress --threads 1");
-  ASSERT_EQ(r.status, 0) << r.output;
-  const std::string ckpt = out + "/cnn/checkpoint.pt", weights = dir / "cnn.pt";
+  const testing::CliFolder run("run");
+  const auto& dir = run.dir;
+  const std::string ckpt = train_one_step(run, "cnn", 81), weights = dir / "cnn.pt";
+  ASSERT_FALSE(HasFailure());
   const auto set = data::affine_test_set(digit_like_set(6, 83), 7, 40);  // 6 images of 40x40
   const std::string images = dir / "x40-images", labels = dir / "x40-labels";
   data::write_idx(images, set.images);
   data::write_idx(labels, set.labels.to(torch::kUInt8));
-  r = testing::run_command(cli + " export --checkpoint " + ckpt + " --storage fp16 --probe 2 --out " + weights);
+  auto r = testing::run_cli("export --checkpoint " + ckpt + " --storage fp16 --probe 2 --out " + weights);
   ASSERT_EQ(r.status, 0) << r.output;
 
   torch::NoGradGuard no_grad;
   for (const auto& file : {ckpt, weights}) {
-    r = testing::run_command(cli + " eval --checkpoint " + file + " --images " + images + " --labels " + labels +
-                             " --json --threads 1");
+    r = testing::run_cli("eval --checkpoint " + file + " --images " + images + " --labels " + labels +
+                         " --json --threads 1");
     ASSERT_EQ(r.status, 0) << r.output;
     const auto j = nlohmann::json::parse(r.output.substr(r.output.find('{')));
     EXPECT_EQ(j["model"], "baseline-cnn");
@@ -615,7 +606,7 @@ TEST(AffineCliTest, TheBaselineCnnIsEvaluatedExportedAndPredictedLikeAnyModel) {
                 1e-5);
   }
 
-  r = testing::run_command(cli + " predict " + images + " --checkpoint " + weights + " --format jsonl --limit 0");
+  r = testing::run_cli("predict " + images + " --checkpoint " + weights + " --format jsonl --limit 0");
   ASSERT_EQ(r.status, 0) << r.output;
   auto model = train::load_baseline_cnn(weights);
   const auto probabilities = torch::softmax(model(data::to_float(set.images)), 1);  // [6, 10]
@@ -635,24 +626,20 @@ TEST(AffineCliTest, TheBaselineCnnIsEvaluatedExportedAndPredictedLikeAnyModel) {
   EXPECT_EQ(row, 6);
 
   for (const auto& [command, needle] : std::vector<std::pair<std::string, std::string>>{
-           {" predict " + images + " --pose --checkpoint " + weights, "no capsule poses"},
-           {" eval --data " + data_dir + " --checkpoint " + weights, "takes 40x40 images, but --dataset is 28x28"}}) {
-    r = testing::run_command(cli + command);
-    EXPECT_NE(r.status, 0) << command;
-    EXPECT_NE(r.output.find(needle), std::string::npos) << command << ": " << r.output;
-  }
+           {"predict " + images + " --pose --checkpoint " + weights, "no capsule poses"},
+           {"eval --data " + run.data + " --checkpoint " + weights, "takes 40x40 images, but --dataset is 28x28"}})
+    EXPECT_TRUE(testing::FailsSaying(testing::run_cli(command), needle)) << command;
 }
 
 // --write-sets writes every test set as IDX files that hold exactly the generator's digits, with sets.json
 // giving each set's seed and ranges, and trains nothing; eval scores a 40x40 model on any of them.
 TEST(AffineCliTest, WriteSetsWritesEveryTestSetAsIdxWithItsRecipeAndTrainsNothing) {
-  testing::TempDir dir;
-  const std::string data_dir = dir / "mnist", sets = dir / "sets", out = dir / "never";
+  const testing::CliFolder run("never");
+  const std::string sets = run.dir / "sets";
+  const std::string& out = run.out;
   const auto test_digits = digit_like_set(6, 72);
-  testing::write_mnist_dir(data_dir, digit_like_set(8, 71), test_digits);
-  const std::string cli = CAPSNET_CLI;
-  auto r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out + " --write-sets " + sets +
-                                " --test-limit 0 --test-seed 31 --threads 1");
+  testing::write_mnist_dir(run.data, digit_like_set(8, 71), test_digits);
+  auto r = run.run("affine", "--write-sets " + sets + " --test-limit 0 --test-seed 31");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_FALSE(std::filesystem::exists(out)) << "nothing is trained";
   const auto manifest = nlohmann::json::parse(std::ifstream(sets + "/sets.json"));
@@ -687,12 +674,11 @@ TEST(AffineCliTest, WriteSetsWritesEveryTestSetAsIdxWithItsRecipeAndTrainsNothin
   EXPECT_TRUE(manifest["files"].contains("rotation-30"));
 
   // A model trained by affine scores on a written set through eval.
-  r = testing::run_command(cli + " affine --data " + data_dir + " --out " + out +
-                           " --model capsnet --steps 1 --batch-size 2 --no-robustness --no-progress --threads 1");
+  r = run.run("affine", "--model capsnet --steps 1 --batch-size 2 --no-robustness");
   ASSERT_EQ(r.status, 0) << r.output;
-  r = testing::run_command(cli + " eval --checkpoint " + out + "/capsnet/checkpoint.pt --images " + sets +
-                           "/rotation-30-images-idx3-ubyte --labels " + sets +
-                           "/rotation-30-labels-idx1-ubyte --json --threads 1");
+  r = testing::run_cli("eval --checkpoint " + out + "/capsnet/checkpoint.pt --images " + sets +
+                       "/rotation-30-images-idx3-ubyte --labels " + sets +
+                       "/rotation-30-labels-idx1-ubyte --json --threads 1");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_EQ(nlohmann::json::parse(r.output.substr(r.output.find('{')))["examples"], 6);
 }
@@ -700,14 +686,12 @@ TEST(AffineCliTest, WriteSetsWritesEveryTestSetAsIdxWithItsRecipeAndTrainsNothin
 // The paper's protocol: whole epochs, each model evaluated on the translated test set after every
 // epoch and stopped at its target; --resume continues each model from its own checkpoint.
 TEST(AffineCliTest, EpochModeEvaluatesEveryEpochStopsAtTheTargetAndResumes) {
-  testing::TempDir dir;
-  const std::string data_dir = dir / "mnist", out = dir / "run";
-  testing::write_mnist_dir(data_dir, digit_like_set(16, 31), digit_like_set(6, 32));
-  const std::string cli = CAPSNET_CLI;
-  const std::string common = " affine --data " + data_dir + " --out " + out +
-                             " --model cnn --batch-size 8 --precision fp32 --no-progress --threads 1";
+  const testing::CliFolder run("run");
+  const std::string& out = run.out;
+  testing::write_mnist_dir(run.data, digit_like_set(16, 31), digit_like_set(6, 32));
+  const std::string common = "--model cnn --batch-size 8 --precision fp32 ";
   // 16 images, batch 8: 2 steps per epoch. Target 100% on 6 test digits.
-  auto first = testing::run_command(cli + common + " --epochs 2 --target-accuracy 1");
+  auto first = run.run("affine", common + "--epochs 2 --target-accuracy 1");
   ASSERT_EQ(first.status, 0) << first.output;
   auto row = read_json(out + "/affine.json")["results"][0];
   const auto& curve = row["epoch_curve"];
@@ -735,7 +719,7 @@ TEST(AffineCliTest, EpochModeEvaluatesEveryEpochStopsAtTheTargetAndResumes) {
   std::ofstream(model_metrics) << kept;
 
   // One more epoch, continued exactly from the checkpoint: the curve keeps its first two points.
-  auto resumed = testing::run_command(cli + common + " --epochs 3 --target-accuracy 1 --resume");
+  auto resumed = run.run("affine", common + "--epochs 3 --target-accuracy 1 --resume");
   ASSERT_EQ(resumed.status, 0) << resumed.output;
   auto row2 = read_json(out + "/affine.json")["results"][0];
   EXPECT_EQ(row2["steps"], 6);
@@ -745,9 +729,7 @@ TEST(AffineCliTest, EpochModeEvaluatesEveryEpochStopsAtTheTargetAndResumes) {
   ASSERT_EQ(row2["epoch_curve"].size(), 3u);
   EXPECT_EQ(row2["epoch_curve"][1], curve[1]);
 
-  auto bad = testing::run_command(cli + common + " --target-accuracy 0.99");
-  EXPECT_NE(bad.status, 0);
-  EXPECT_NE(bad.output.find("--epochs"), std::string::npos) << bad.output;
+  EXPECT_TRUE(testing::FailsSaying(run.run("affine", common + "--target-accuracy 0.99"), "--epochs"));
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/viz/png.h"
 #include "gradcheck.h"
+#include "loop_options.h"
 #include "test_helpers.h"
 #include "tiny_configs.h"
 
@@ -272,15 +273,15 @@ TEST(CapsPix2pixTrain, LoopTrainsResumesExactlyAndEvaluates) {
   LabelMaps train_set(blob_set(20, 1), 2, maps16()), test_set(blob_set(10, 5), 3, maps16());
   capsnet::experiments::Pix2pixTrainOptions o;
   o.model = tiny("caps");
+  o.loop.out_dir = dir / "straight";  // the experiment's own loop defaults otherwise
   o.loop.max_steps = 4;
   o.loop.batch_size = 3;
+  o.loop.log_every = 1;
+  o.loop.progress = false;
   o.test_size = 4;
   o.eval_batch_size = 2;
   o.diversity_maps = 2;
   o.diversity_samples = 3;
-  o.loop.log_every = 1;
-  o.loop.progress = false;
-  o.loop.out_dir = dir / "straight";
   std::ostringstream log;
   auto straight = capsnet::experiments::train_pix2pix(o, train_set, test_set, log);
   EXPECT_EQ(straight.steps, 4);
@@ -365,14 +366,11 @@ class SelfSteppingTask : public capsnet::train::Task {
 
 TEST(CapsPix2pixTrain, LoopRunsSelfSteppingTasksWithTheirOptimizerAndNanGuard) {
   capsnet::testing::TempDir dir;
-  capsnet::train::LoopOptions o;
-  o.out_dir = dir.str();
+  auto o = capsnet::testing::quiet_loop(dir.str(), 2);
   o.epochs = 0;
   o.max_steps = 5;
-  o.batch_size = 2;
   o.lr = 0.125;
   o.lr_decay = 1;
-  o.progress = false;
   o.checkpoint_every = 1;
   std::ostringstream log;
   SelfSteppingTask fine(-1);

@@ -20,6 +20,7 @@
 #include "capsnet/train/checkpoint.h"
 #include "apps/experiments/em.h"
 #include "gradcheck.h"
+#include "cli_helpers.h"
 #include "test_helpers.h"
 #include "tiny_configs.h"
 
@@ -905,18 +906,21 @@ TEST(EmTraining, ShiftAugmentationMovesTheImagesAndResumesExactly) {
   EXPECT_THROW(too_far.validate(), std::invalid_argument);
 }
 
-// The `capsnet em` command line on --data `data` writing to --out `out`, then `flags`.
-std::string em_command(const std::string& data, const std::string& out, const std::string& flags) {
-  return std::string(CAPSNET_CLI) + " em --data " + data + " --out " + out + " " + flags;
-}
+// The small network every `capsnet em` test trains.
+const std::string kTinyEm = " --conv1-channels 4 --primary-types 2 --caps1-types 2 --caps2-types 2";
 
-// Runs `capsnet em` (em_command), expects it to succeed and returns its output and the em.json it wrote.
+// A folder with 64 training and 30 test digits for `capsnet em` runs.
+struct EmFolder : testing::CliFolder {
+  EmFolder() { testing::write_fake_mnist(data, 64, 30); }
+};
+
+// Runs `capsnet em` in `run` writing to `out`, expects it to succeed and returns its output and em.json.
 struct EmRun {
   std::string output;
   nlohmann::json em;
 };
-EmRun run_em(const std::string& data, const std::string& out, const std::string& flags) {
-  auto r = testing::run_command(em_command(data, out, flags));
+EmRun run_em(const testing::CliFolder& run, const std::string& out, const std::string& flags) {
+  auto r = run.run_to(out, "em", flags);
   EXPECT_EQ(r.status, 0) << r.output;
   std::ifstream in(out + "/em.json");
   EXPECT_TRUE(in.good()) << "no em.json in " << out << "\n" << r.output;
@@ -924,13 +928,9 @@ EmRun run_em(const std::string& data, const std::string& out, const std::string&
 }
 
 TEST(EmCli, TrainsAndEvaluatesOnGeneratedIdx) {
-  testing::TempDir dir;
-  testing::write_fake_mnist(dir / "data", 64, 30);
-  const std::string out = dir / "out";
-  const std::string data = dir / "data";
-  const auto [output, j] = run_em(data, out,
-                                  "--steps 3 --batch-size 8 --test-size 20 --conv1-channels 4 --primary-types 2"
-                                  " --caps1-types 2 --caps2-types 2 --routing-iters 2 --threads 1 --no-progress");
+  const EmFolder run;
+  const std::string& out = run.out;
+  const auto [output, j] = run_em(run, out, "--steps 3 --batch-size 8 --test-size 20 --routing-iters 2" + kTinyEm);
   ASSERT_FALSE(HasFailure());
   EXPECT_NE(output.find("test: accuracy"), std::string::npos) << output;
   EXPECT_EQ(j["steps"], 3);
@@ -952,45 +952,35 @@ TEST(EmCli, TrainsAndEvaluatesOnGeneratedIdx) {
   EXPECT_GE(lines, 4);  // start, train, eval, end
   EXPECT_TRUE(saw_eval);
 
-  // The routing of before issue 14, by flags.
-  const std::string legacy_out = dir / "legacy";
-  const auto lj = run_em(data, legacy_out,
-                         "--steps 1 --batch-size 8 --test-size 0 --conv1-channels 4 --primary-types 2"
-                         " --caps1-types 2 --caps2-types 2 --routing-iters 2 --threads 1 --no-progress"
-                         " --lambda-schedule linear --lambda-first 0.5 --lambda-last 1"
-                         " --logit-offset inside --window-routing per-window")
+  // The earlier routing variants, by flags.
+  const auto lj = run_em(run, run.dir / "legacy",
+                         "--steps 1 --batch-size 8 --test-size 0 --routing-iters 2 --lambda-schedule linear"
+                         " --lambda-first 0.5 --lambda-last 1 --logit-offset inside --window-routing per-window" +
+                             kTinyEm)
                       .em;
   ASSERT_FALSE(HasFailure());
   EXPECT_EQ(lj["model"]["lambda_schedule"], "linear");
   EXPECT_EQ(lj["model"]["lambda_first"], 0.5);
   EXPECT_EQ(lj["model"]["logit_offset_outside_lambda"], false);
   EXPECT_EQ(lj["model"]["cross_window_routing"], false);
-  for (const std::string flag : {"--lambda-schedule cosine", "--logit-offset above", "--window-routing all"}) {
-    auto r_bad = testing::run_command(em_command(data, out, "--no-progress --overwrite " + flag));
-    EXPECT_NE(r_bad.status, 0) << flag;
-    EXPECT_NE(r_bad.output.find(flag.substr(0, flag.find(' '))), std::string::npos) << r_bad.output;
-  }
+  for (const std::string flag : {"--lambda-schedule cosine", "--logit-offset above", "--window-routing all"})
+    EXPECT_TRUE(testing::FailsSaying(run.run("em", "--overwrite " + flag), flag.substr(0, flag.find(' '))));
 
-  auto bad = testing::run_command(em_command(dir / "missing", out, "--steps 1 --no-progress --overwrite"));
-  EXPECT_NE(bad.status, 0);
-  EXPECT_NE(bad.output.find("missing"), std::string::npos) << bad.output;
-  auto bad_size = testing::run_command(em_command(data, out, "--batch-size 0 --no-progress"));
-  EXPECT_NE(bad_size.status, 0);
-  EXPECT_NE(bad_size.output.find("batch-size"), std::string::npos) << bad_size.output;
+  const std::string missing = run.dir / "missing";
+  EXPECT_TRUE(testing::FailsSaying(
+      testing::run_cli("em --data " + missing + " --out " + out + " --steps 1 --no-progress --overwrite"), "missing"));
+  EXPECT_TRUE(testing::FailsSaying(run.run("em", "--batch-size 0"), "batch-size"));
 }
 
 TEST(EmCli, EvalEveryStandardizedCostLambdaBaseLrDecayAndMaxShiftReachTheRun) {
   // The flags added after issue 14's first runs: --eval-every (test accuracy mid-run), --standardize-cost,
   // --lambda-base (paper schedule's lambda_0), --lr-decay (per epoch, smooth per step), --max-shift.
-  testing::TempDir dir;
-  testing::write_fake_mnist(dir / "data", 64, 30);
-  const std::string out = dir / "out";
-  const std::string data = dir / "data";
-  const auto j = run_em(data, out,
+  const EmFolder run;
+  const std::string& out = run.out;
+  const auto j = run_em(run, out,
                         "--steps 4 --batch-size 8 --train-size 16 --test-size 10 --eval-every 2 --log-every 1"
-                        " --conv1-channels 4 --primary-types 2 --caps1-types 2 --caps2-types 2"
-                        " --standardize-cost --lambda-base 0.5 --lr-decay 0.5 --variance-eps 0.05 --max-shift 3"
-                        " --threads 1 --no-progress")
+                        " --standardize-cost --lambda-base 0.5 --lr-decay 0.5 --variance-eps 0.05 --max-shift 3" +
+                            kTinyEm)
                      .em;
   ASSERT_FALSE(HasFailure());
   EXPECT_EQ(j["model"]["standardize_cost"], true);
@@ -1014,7 +1004,7 @@ TEST(EmCli, EvalEveryStandardizedCostLambdaBaseLrDecayAndMaxShiftReachTheRun) {
   EXPECT_DOUBLE_EQ(lrs.front(), 3e-3);  // 2 steps per epoch: 0.5 per epoch is 0.5^(1/2) per step
   for (size_t k = 1; k < lrs.size(); ++k) EXPECT_NEAR(lrs[k] / lrs[k - 1], std::sqrt(0.5), 1e-9) << k;
   for (const std::string flag : {"--lambda-base 0", "--variance-eps 0", "--max-shift -1", "--max-shift 28"}) {
-    auto bad = testing::run_command(em_command(data, out, "--overwrite --no-progress " + flag));
+    auto bad = run.run("em", "--overwrite " + flag);
     EXPECT_NE(bad.status, 0) << flag;
     // The error names the flag, or the option behind it (e.g. "max_shift" for a value the flag's check lets through).
     const auto name = flag.substr(0, flag.find(' '));
@@ -1036,22 +1026,17 @@ TEST(EmCli, EvalEveryStandardizedCostLambdaBaseLrDecayAndMaxShiftReachTheRun) {
 TEST(EmCli, ExportEvalAndPredictTakeTheRunsModelAndOtherCommandsRefuseIt) {
   // capsnet eval on the run's checkpoint and on its exported weights gives the accuracy the run
   // reported, predict agrees with it image by image; reconstruct (CapsNet only) says what the file holds.
-  testing::TempDir dir;
-  testing::write_fake_mnist(dir / "data", 64, 30);
-  const std::string out = dir / "out", data = dir / "data";
-  const auto [output, j] = run_em(data, out,
-                                  "--steps 3 --batch-size 8 --test-size 30 --conv1-channels 4 --primary-types 2"
-                                  " --caps1-types 2 --caps2-types 2 --routing-iters 2 --threads 1 --no-progress");
+  const EmFolder run;
+  const std::string& data = run.data;
+  const auto [output, j] = run_em(run, run.out, "--steps 3 --batch-size 8 --test-size 30 --routing-iters 2" + kTinyEm);
   ASSERT_FALSE(HasFailure());
-  const std::string ckpt = out + "/checkpoint.pt", weights = dir / "em.pt";
-  auto exported = testing::run_command(std::string(CAPSNET_CLI) + " export --checkpoint " + ckpt + " --out " + weights +
-                                       " --probe 2 --threads 1");
+  const std::string ckpt = run.out + "/checkpoint.pt", weights = run.dir / "em.pt";
+  auto exported = testing::run_cli("export --checkpoint " + ckpt + " --out " + weights + " --probe 2 --threads 1");
   ASSERT_EQ(exported.status, 0) << exported.output;
   EXPECT_NE(exported.output.find("(step 3)"), std::string::npos) << exported.output;
 
   for (const std::string& file : {ckpt, weights}) {
-    auto r = testing::run_command(std::string(CAPSNET_CLI) + " eval --checkpoint " + file + " --data " + data +
-                                  " --batch-size 100 --json --threads 1");
+    auto r = testing::run_cli("eval --checkpoint " + file + " --data " + data + " --batch-size 100 --json --threads 1");
     ASSERT_EQ(r.status, 0) << r.output;
     const auto e = nlohmann::json::parse(r.output.substr(r.output.find('{')));
     EXPECT_EQ(e["model"], "matrix-capsnet") << file;
@@ -1068,15 +1053,14 @@ TEST(EmCli, ExportEvalAndPredictTakeTheRunsModelAndOtherCommandsRefuseIt) {
     EXPECT_EQ(total, 30);
     EXPECT_EQ(diagonal, std::llround(30 * e["accuracy"].get<double>()));
   }
-  auto text = testing::run_command(std::string(CAPSNET_CLI) + " eval --checkpoint " + weights + " --data " + data +
-                                   " --threads 1 --no-progress");
+  auto text = testing::run_cli("eval --checkpoint " + weights + " --data " + data + " --threads 1 --no-progress");
   ASSERT_EQ(text.status, 0) << text.output;
   EXPECT_NE(text.output.find("spread loss"), std::string::npos) << text.output;
 
   // predict takes it too: one JSON line per test image whose prediction is eval's (accuracy over the
   // same 30 images), its activations in (0, 1), its pose the predicted class's 4x4 matrix.
-  auto predict = testing::run_command(std::string(CAPSNET_CLI) + " predict " + data + "/t10k-images-idx3-ubyte" +
-                                      " --checkpoint " + weights + " --limit 30 --json --pose --threads 1");
+  auto predict = testing::run_cli("predict " + data + "/t10k-images-idx3-ubyte --checkpoint " + weights +
+                                  " --limit 30 --json --pose --threads 1");
   ASSERT_EQ(predict.status, 0) << predict.output;
   std::istringstream lines(predict.output);
   int64_t rows = 0, right = 0;
@@ -1095,15 +1079,14 @@ TEST(EmCli, ExportEvalAndPredictTakeTheRunsModelAndOtherCommandsRefuseIt) {
   }
   EXPECT_EQ(rows, 30);
   EXPECT_EQ(right, std::llround(30 * j["test_accuracy"].get<double>()));
-  auto csv = testing::run_command(std::string(CAPSNET_CLI) + " predict " + data + "/t10k-images-idx3-ubyte" +
-                                  " --checkpoint " + ckpt + " --limit 1 --format csv --threads 1");
+  auto csv = testing::run_cli("predict " + data + "/t10k-images-idx3-ubyte --checkpoint " + ckpt +
+                              " --limit 1 --format csv --threads 1");
   ASSERT_EQ(csv.status, 0) << csv.output;
   EXPECT_NE(csv.output.find("input,class,label,activation,activation_0,"), std::string::npos) << csv.output;
   // Commands that need a CapsNet's decoder or vectors say what the file holds.
-  auto reconstruct = testing::run_command(std::string(CAPSNET_CLI) + " reconstruct --checkpoint " + ckpt +
-                                          " --data " + data + " --out " + std::string(dir / "r.png") + " --threads 1");
-  EXPECT_NE(reconstruct.status, 0);
-  EXPECT_NE(reconstruct.output.find("capsnet em"), std::string::npos) << reconstruct.output;
+  EXPECT_TRUE(testing::FailsSaying(testing::run_cli("reconstruct --checkpoint " + ckpt + " --data " + data + " --out " +
+                                                    (run.dir / "r.png") + " --threads 1"),
+                                   "capsnet em"));
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "apps/experiments/multimnist.h"
 #include "capsnet/train/trainer.h"
 #include "capsnet/viz/png.h"
+#include "cli_helpers.h"
 #include "test_helpers.h"
 #include "tiny_configs.h"
 
@@ -325,6 +326,18 @@ struct TinySetup {
   models::CapsNetConfig config = testing::tiny_config();
 };
 
+// The tiny CapsNet for `steps` steps of `batch` pairs into out_dir, quietly, with no test pairs.
+experiments::MultiMnistTrainOptions tiny_options(const std::string& out_dir, int64_t steps, int64_t batch) {
+  experiments::MultiMnistTrainOptions o;
+  o.model = testing::tiny_config();
+  o.loop.out_dir = out_dir;
+  o.loop.max_steps = steps;
+  o.loop.batch_size = batch;
+  o.loop.progress = false;
+  o.test_size = 0;
+  return o;
+}
+
 TEST(MultiMnistTrainTest, LossHasBothTermsFiniteGradientsAndDecreases) {
   OneThread one_thread;
   TinySetup s;
@@ -369,15 +382,10 @@ TEST(MultiMnistTrainTest, TrainWritesMetricsCheckpointAndEvaluates) {
   OneThread one_thread;
   TinySetup s;
   TempDir dir;
-  experiments::MultiMnistTrainOptions o;
-  o.model = s.config;
-  o.loop.out_dir = dir / "run";
-  o.loop.max_steps = 6;
-  o.loop.batch_size = 8;
+  auto o = tiny_options(dir / "run", 6, 8);
   o.loop.log_every = 3;
   o.test_size = 40;
   o.eval_batch_size = 16;
-  o.loop.progress = false;
   std::ostringstream log;
   auto r = experiments::train_multimnist(o, s.train_pairs, &s.test_pairs, log);
   EXPECT_EQ(r.steps, 6);
@@ -414,15 +422,9 @@ TEST(MultiMnistTrainTest, ResumeReproducesTheUninterruptedRunExactly) {
   TempDir dir;
   std::ostringstream log;
   auto options = [&](const std::string& out, int64_t steps) {
-    experiments::MultiMnistTrainOptions o;
-    o.model = s.config;
-    o.loop.out_dir = dir / out;
-    o.loop.max_steps = steps;
-    o.loop.batch_size = 6;
+    auto o = tiny_options(dir / out, steps, 6);
     o.loop.lr = 3e-3;
     o.loop.seed = 5;
-    o.test_size = 0;
-    o.loop.progress = false;
     return o;
   };
   auto full = experiments::train_multimnist(options("full", 5), s.train_pairs, nullptr, log);
@@ -465,13 +467,7 @@ TEST(MultiMnistTrainTest, ResumeWithAnotherOverlayIsRefusedAndOldCheckpointsRead
   max_options.overlay = data::Overlay::kMax;
   MultiMnist add_pairs(source, 1, add_options), max_pairs(source, 1, max_options);
   auto options = [&](const std::string& out, int64_t steps, const std::string& resume) {
-    experiments::MultiMnistTrainOptions o;
-    o.model = testing::tiny_config();
-    o.loop.out_dir = dir / out;
-    o.loop.max_steps = steps;
-    o.loop.batch_size = 4;
-    o.test_size = 0;
-    o.loop.progress = false;
+    auto o = tiny_options(dir / out, steps, 4);
     o.loop.resume = resume;
     return o;
   };
@@ -517,18 +513,14 @@ TEST(MultiMnistCnnTest, TrainsEvaluatesEveryNStepsAndItsCheckpointHoldsTheEvalua
   OneThread one_thread;
   TinySetup s;
   TempDir dir;
-  experiments::MultiMnistTrainOptions o;
+  auto o = tiny_options(dir / "run", 30, 16);
   o.which = experiments::MultiMnistModel::kCnn;
   o.cnn = testing::tiny_cnn_config(12);
-  o.loop.out_dir = dir / "run";
-  o.loop.max_steps = 30;
-  o.loop.batch_size = 16;
   o.loop.lr = 3e-3;
   o.loop.log_every = 10;
   o.loop.eval_every = 10;
   o.test_size = 40;
   o.eval_batch_size = 16;
-  o.loop.progress = false;
   std::ostringstream log;
   auto r = experiments::train_multimnist(o, s.train_pairs, &s.test_pairs, log);
   EXPECT_EQ(r.steps, 30);
@@ -598,13 +590,14 @@ TEST(MultiMnistVizTest, PanelAndFigureHaveTheDocumentedSizeAndDecode) {
 }
 
 TEST(MultiMnistCliTest, TrainThenEvalOnlyOnGeneratedIdxFiles) {
-  TempDir dir;
-  const std::string data_dir = dir / "mnist", out = dir / "run";
-  testing::write_fake_mnist(data_dir, 60, 30);
+  const testing::CliFolder run("run");
+  const std::string& out = run.out;
+  testing::write_fake_mnist(run.data, 60, 30);
   // A narrow model (4 conv1 channels, 2 capsule types) keeps the 36x36 pipeline fast.
-  const std::string cli = std::string(CAPSNET_CLI) + " multimnist --data " + data_dir + " --out " + out +
-                          " --test-size 20 --conv1-channels 4 --primary-types 2 --no-progress --threads 1";
-  auto trained = testing::run_command(cli + " --steps 2 --batch-size 4 --figure-correct 0 --figure-wrong 2");
+  const auto multimnist = [&](const std::string& args) {
+    return run.run("multimnist", "--test-size 20 --conv1-channels 4 --primary-types 2 " + args);
+  };
+  auto trained = multimnist("--steps 2 --batch-size 4 --figure-correct 0 --figure-wrong 2");
   ASSERT_EQ(trained.status, 0) << trained.output;
   EXPECT_NE(trained.output.find("MultiMNIST test: error"), std::string::npos) << trained.output;
   std::ifstream in(out + "/multimnist.json");
@@ -624,7 +617,7 @@ TEST(MultiMnistCliTest, TrainThenEvalOnlyOnGeneratedIdxFiles) {
   EXPECT_TRUE(std::filesystem::exists(out + "/metrics.jsonl"));
 
   // --eval-only on the same fixed test pairs reproduces the error of the trained weights.
-  auto evaluated = testing::run_command(cli + " --eval-only --figure-correct 0 --figure-wrong 0");
+  auto evaluated = multimnist("--eval-only --figure-correct 0 --figure-wrong 0");
   ASSERT_EQ(evaluated.status, 0) << evaluated.output;
   std::ifstream in2(out + "/multimnist.json");
   auto k = nlohmann::json::parse(in2);
@@ -632,29 +625,29 @@ TEST(MultiMnistCliTest, TrainThenEvalOnlyOnGeneratedIdxFiles) {
   EXPECT_EQ(k.at("steps"), 2);
   EXPECT_DOUBLE_EQ(k.at("error").get<double>(), j.at("error").get<double>());
 
-  auto wrong = testing::run_command(cli + " --checkpoint " + out + "/checkpoint.pt");
+  auto wrong = multimnist("--checkpoint " + out + "/checkpoint.pt");
   EXPECT_EQ(wrong.status, 1);
   EXPECT_NE(wrong.output.find("only read with --eval-only"), std::string::npos) << wrong.output;
   EXPECT_EQ(j.at("overlay"), "add");  // the default, the authors' overlay
   EXPECT_EQ(k.at("overlay"), "add");  // --eval-only takes the checkpoint's
 
-  auto foo = testing::run_command(cli + " --steps 1 --overlay foo");
-  EXPECT_NE(foo.status, 0);
-  EXPECT_NE(foo.output.find("--overlay"), std::string::npos) << foo.output;
+  auto foo = multimnist("--steps 1 --overlay foo");
+  EXPECT_TRUE(testing::FailsSaying(foo, "--overlay"));
   EXPECT_NE(foo.output.find("foo"), std::string::npos) << foo.output;
   // Resuming the add-overlay checkpoint on max pairs is refused, naming the generator.
-  auto resumed = testing::run_command(std::string(CAPSNET_CLI) + " multimnist --data " + data_dir + " --out " + out +
-                                      "2 --test-size 20 --conv1-channels 4 --primary-types 2 --no-progress "
-                                      "--threads 1 --steps 3 --batch-size 4 --overlay max --resume " + out +
-                                      "/checkpoint.pt --figure-correct 0 --figure-wrong 0");
-  EXPECT_NE(resumed.status, 0);
-  EXPECT_NE(resumed.output.find("train_generator"), std::string::npos) << resumed.output;
+  EXPECT_TRUE(testing::FailsSaying(
+      run.run_to(
+          out + "2", "multimnist",
+          "--test-size 20 --conv1-channels 4 --primary-types 2 --steps 3 --batch-size 4 --overlay max --resume " + out +
+              "/checkpoint.pt --figure-correct 0 --figure-wrong 0"),
+      "train_generator"));
 
   // The baseline CNN: same pairs, its own metric line, a learning curve, and --eval-only knows it.
-  const std::string cnn_out = dir / "cnn";
-  const std::string cnn_cli = std::string(CAPSNET_CLI) + " multimnist --data " + data_dir + " --out " + cnn_out +
-                              " --test-size 20 --no-progress --threads 1";
-  auto cnn = testing::run_command(cnn_cli + " --model cnn --steps 2 --batch-size 4 --eval-every 1");
+  const std::string cnn_out = run.dir / "cnn";
+  const auto cnn_run = [&](const std::string& args) {
+    return run.run_to(cnn_out, "multimnist", "--test-size 20 " + args);
+  };
+  auto cnn = cnn_run("--model cnn --steps 2 --batch-size 4 --eval-every 1");
   ASSERT_EQ(cnn.status, 0) << cnn.output;
   EXPECT_NE(cnn.output.find("two largest logits"), std::string::npos) << cnn.output;
   EXPECT_NE(cnn.output.find("step 1 (epoch"), std::string::npos) << cnn.output;
@@ -664,15 +657,13 @@ TEST(MultiMnistCliTest, TrainThenEvalOnlyOnGeneratedIdxFiles) {
   EXPECT_EQ(c.at("model_kind"), "cnn");
   EXPECT_EQ(c.at("model").at("image_size"), 36);
   EXPECT_FALSE(std::filesystem::exists(cnn_out + "/multimnist.png"));
-  auto cnn_eval = testing::run_command(cnn_cli + " --eval-only");
+  auto cnn_eval = cnn_run("--eval-only");
   ASSERT_EQ(cnn_eval.status, 0) << cnn_eval.output;
   std::ifstream in4(cnn_out + "/multimnist.json");
   auto ce = nlohmann::json::parse(in4);
   EXPECT_EQ(ce.at("model_kind"), "cnn");
   EXPECT_DOUBLE_EQ(ce.at("error").get<double>(), c.at("error").get<double>());
-  auto both = testing::run_command(cnn_cli + " --eval-only --model cnn");
-  EXPECT_NE(both.status, 0);
-  EXPECT_NE(both.output.find("--model is not read with --eval-only"), std::string::npos) << both.output;
+  EXPECT_TRUE(testing::FailsSaying(cnn_run("--eval-only --model cnn"), "--model is not read with --eval-only"));
 }
 
 }  // namespace

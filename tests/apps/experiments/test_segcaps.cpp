@@ -16,6 +16,7 @@
 #include "capsnet/nn/capsule_conv.h"
 #include "apps/experiments/segcaps.h"
 #include "gradcheck.h"
+#include "cli_helpers.h"
 #include "test_helpers.h"
 #include "tiny_configs.h"
 
@@ -28,7 +29,7 @@ using capsnet::nn::CapsuleConvTranspose2dOptions;
 using capsnet::testing::ScopedThreads;
 namespace cdetail = capsnet::nn::detail;
 
-const std::string kCli = CAPSNET_CLI;
+using capsnet::testing::FailsSaying;
 
 // Expects `fn` to throw std::invalid_argument whose message contains `needle`.
 template <class Fn>
@@ -563,13 +564,12 @@ TEST(SegCapsLoss, ConfigKeysOldConfigsAndBadValues) {
 // ---- CLI ----------------------------------------------------------------------------------------
 
 TEST(SegCapsCli, TrainsEvaluatesAndWritesOutputs) {
-  capsnet::testing::TempDir dir;
-  capsnet::testing::write_fake_mnist(dir / "data", 40, 20);
-  const std::string out = dir / "out";
-  auto r = capsnet::testing::run_command(
-      kCli + " segcaps --data " + (dir / "data") + " --out " + out +
-      " --steps 3 --batch-size 2 --test-size 4 --canvas 28 --types 2 --stem-channels 4 --figure-rows 2 --log-every 1"
-      " --no-progress --threads 1");
+  const capsnet::testing::CliFolder run;
+  const std::string& out = run.out;
+  capsnet::testing::write_fake_mnist(run.data, 40, 20);
+  auto r = run.run("segcaps",
+                   "--steps 3 --batch-size 2 --test-size 4 --canvas 28 --types 2 --stem-channels 4 --figure-rows 2"
+                   " --log-every 1");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("thresholding baseline"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("mean Dice"), std::string::npos) << r.output;
@@ -605,9 +605,9 @@ TEST(SegCapsCli, TrainsEvaluatesAndWritesOutputs) {
   }
 
   // A spent --max-minutes budget stops training after the first step and still evaluates.
-  r = capsnet::testing::run_command(kCli + " segcaps --data " + (dir / "data") + " --out " + out +
-                                    " --steps 50 --max-minutes 1e-6 --batch-size 2 --test-size 2 --canvas 28 --types 2"
-                                    " --stem-channels 4 --figure-rows 0 --no-progress --threads 1 --overwrite");
+  r = run.run("segcaps",
+              "--steps 50 --max-minutes 1e-6 --batch-size 2 --test-size 2 --canvas 28 --types 2 --stem-channels 4"
+              " --figure-rows 0 --overwrite");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("stopping after step 1 of 50"), std::string::npos) << r.output;
   std::ifstream in2(out + "/segcaps.json");
@@ -619,27 +619,24 @@ TEST(SegCapsCli, TrainsEvaluatesAndWritesOutputs) {
 // The authors' loss: --pos-weight dataset fixes the class weight, measured once over as many training images
 // as there are source digits; --recon-weight 131.072 is their code's reconstruction weight.
 TEST(SegCapsCli, DatasetClassWeightIsMeasuredOnceOnTheTrainingImages) {
-  capsnet::testing::TempDir dir;
-  capsnet::testing::write_fake_mnist(dir / "data", 40, 20);
-  const std::string out = dir / "out";
-  auto r = capsnet::testing::run_command(
-      kCli + " segcaps --data " + (dir / "data") + " --out " + out +
-      " --pos-weight dataset --recon-weight 131.072 --seed 5 --steps 2 --batch-size 2 --test-size 2 --canvas 28"
-      " --types 2 --stem-channels 4 --figure-rows 0 --log-every 1 --no-progress --threads 1");
+  const capsnet::testing::CliFolder run;
+  capsnet::testing::write_fake_mnist(run.data, 40, 20);
+  auto r = run.run("segcaps",
+                   "--pos-weight dataset --recon-weight 131.072 --seed 5 --steps 2 --batch-size 2 --test-size 2"
+                   " --canvas 28 --types 2 --stem-channels 4 --figure-rows 0 --log-every 1");
   ASSERT_EQ(r.status, 0) << r.output;
   capsnet::data::DigitSegmentationOptions d;
   d.canvas = 28;
-  capsnet::data::DigitSegmentation train_set(
-      capsnet::data::load_mnist(dir / "data", capsnet::data::Split::kTrain), 5, d);
+  capsnet::data::DigitSegmentation train_set(capsnet::data::load_mnist(run.data, capsnet::data::Split::kTrain), 5, d);
   const double want = capsnet::data::foreground_weight(train_set, 40);
   EXPECT_NE(r.output.find(fmt::format("over 40 training images = {:.4f}", want)), std::string::npos) << r.output;
-  std::ifstream in(out + "/segcaps.json");
+  std::ifstream in(run.out + "/segcaps.json");
   auto j = nlohmann::json::parse(in);
   EXPECT_EQ(j["pos_weight"], "dataset");
   EXPECT_EQ(j["model"]["auto_pos_weight"], false);
   EXPECT_DOUBLE_EQ(j["model"]["pos_weight"].get<double>(), want);
   EXPECT_EQ(j["model"]["recon_weight"], 131.072);
-  std::ifstream metrics(out + "/metrics.jsonl");
+  std::ifstream metrics(run.out + "/metrics.jsonl");
   int train_records = 0;
   for (std::string line; std::getline(metrics, line);) {
     auto record = nlohmann::json::parse(line);
@@ -652,24 +649,15 @@ TEST(SegCapsCli, DatasetClassWeightIsMeasuredOnceOnTheTrainingImages) {
 
 TEST(SegCapsCli, BadOptions) {
   capsnet::testing::TempDir dir;
-  auto r = capsnet::testing::run_command(kCli + " segcaps --canvas 30 --out " + (dir / "o") + " --data " + (dir / "none"));
-  EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.output.find("multiple of 4"), std::string::npos) << r.output;
-  r = capsnet::testing::run_command(kCli + " segcaps --steps 0 --out " + (dir / "o"));
-  EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.output.find("--steps"), std::string::npos) << r.output;
-  r = capsnet::testing::run_command(kCli + " segcaps --fragments -2 --out " + (dir / "o"));
-  EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.output.find("--fragments"), std::string::npos) << r.output;
-  for (const std::string bad : {"foo", "0", "-1", "nan", "2e6", "1x"}) {
-    r = capsnet::testing::run_command(kCli + " segcaps --pos-weight " + bad + " --out " + (dir / "o"));
-    EXPECT_NE(r.status, 0) << bad;
-    EXPECT_NE(r.output.find("--pos-weight must be 'auto', 'dataset' or a number"), std::string::npos) << r.output;
-  }
-  r = capsnet::testing::run_command(kCli + " segcaps --recon-weight -1 --out " + (dir / "o"));
-  EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.output.find("--recon-weight"), std::string::npos) << r.output;
-  r = capsnet::testing::run_command(kCli + " segcaps --steps 1 --data " + (dir / "missing") + " --out " + (dir / "o"));
-  EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.output.find("missing"), std::string::npos) << r.output;
+  const auto segcaps = [&](const std::string& args) {
+    return capsnet::testing::run_cli("segcaps " + args + " --out " + (dir / "o"));
+  };
+  EXPECT_TRUE(FailsSaying(segcaps("--canvas 30 --data " + (dir / "none")), "multiple of 4"));
+  EXPECT_TRUE(FailsSaying(segcaps("--steps 0"), "--steps"));
+  EXPECT_TRUE(FailsSaying(segcaps("--fragments -2"), "--fragments"));
+  for (const std::string bad : {"foo", "0", "-1", "nan", "2e6", "1x"})
+    EXPECT_TRUE(FailsSaying(segcaps("--pos-weight " + bad), "--pos-weight must be 'auto', 'dataset' or a number"))
+        << bad;
+  EXPECT_TRUE(FailsSaying(segcaps("--recon-weight -1"), "--recon-weight"));
+  EXPECT_TRUE(FailsSaying(segcaps("--steps 1 --data " + (dir / "missing")), "missing"));
 }

@@ -20,6 +20,7 @@
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/viz/png.h"
 #include "gradcheck.h"
+#include "cli_helpers.h"
 #include "test_helpers.h"
 
 namespace capsnet {
@@ -353,13 +354,10 @@ std::string read_all(const std::string& path) {
 }
 
 TEST(StnCliTest, RunsTheGridAndWritesJsonTableMetricsAndFigure) {
-  testing::TempDir dir;
-  const std::string data_dir = dir / "mnist", out = dir / "out";
-  testing::write_fake_mnist(data_dir, 40, 10);
-  const std::string cli = CAPSNET_CLI;
-  auto r = testing::run_command(cli + " stn --data " + data_dir + " --out " + out +
-                                " --steps 2 --batch-size 4 --test-limit 10 --small --no-progress --threads 1"
-                                " --log-every 1 --figure-examples 7");
+  const testing::CliFolder run;
+  const std::string& out = run.out;
+  testing::write_fake_mnist(run.data, 40, 10);
+  auto r = run.run("stn", "--steps 2 --batch-size 4 --test-limit 10 --small --log-every 1 --figure-examples 7");
   ASSERT_EQ(r.status, 0) << r.output;
   auto report = nlohmann::json::parse(read_all(out + "/stn.json"));
   ASSERT_EQ(report["results"].size(), 4u);
@@ -387,29 +385,27 @@ TEST(StnCliTest, RunsTheGridAndWritesJsonTableMetricsAndFigure) {
   EXPECT_EQ(evals, 4u) << metrics;
 
   // One cell of the grid only; no STN run means no figure.
-  const std::string out2 = dir / "out2";
-  r = testing::run_command(cli + " stn --data " + data_dir + " --out " + out2 +
-                           " --model cnn --stn off --steps 1 --batch-size 4 --test-limit 5 --small --no-progress --threads 1");
+  const std::string out2 = run.dir / "out2";
+  r = run.run_to(out2, "stn", "--model cnn --stn off --steps 1 --batch-size 4 --test-limit 5 --small");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_EQ(nlohmann::json::parse(read_all(out2 + "/stn.json"))["results"].size(), 1u);
   EXPECT_FALSE(std::filesystem::exists(out2 + "/stn_transforms.png"));
 }
 
 TEST(StnCliTest, BadOptionsFailNamingTheOption) {
-  testing::TempDir dir;
-  const std::string data_dir = dir / "mnist";
-  testing::write_fake_mnist(data_dir, 8, 4);
-  const std::string cli = CAPSNET_CLI, base = cli + " stn --data " + data_dir + " --out " + (dir / "o");
-  for (const auto& [args, needle] : std::vector<std::pair<std::string, std::string>>{
-           {" --model resnet", "--model"}, {" --stn maybe", "--stn"}, {" --steps 0", "--steps"},
-           {" --batch-size -1", "--batch-size"}, {" --val 8", "--val 8 must leave training images"},
-           {" --target-accuracy 0.9", "--target-accuracy needs --epochs"}}) {
-    auto r = testing::run_command(base + args);
-    EXPECT_NE(r.status, 0) << args;
-    EXPECT_NE(r.output.find(needle), std::string::npos) << args << ": " << r.output;
-  }
-  auto r = testing::run_command(cli + " stn --data " + (dir / "missing") + " --out " + (dir / "o") + " --steps 1");
-  EXPECT_NE(r.status, 0);
+  const testing::CliFolder run;
+  testing::write_fake_mnist(run.data, 8, 4);
+  for (const auto& [args, needle] :
+       std::vector<std::pair<std::string, std::string>>{{"--model resnet", "--model"},
+                                                        {"--stn maybe", "--stn"},
+                                                        {"--steps 0", "--steps"},
+                                                        {"--batch-size -1", "--batch-size"},
+                                                        {"--val 8", "--val 8 must leave training images"},
+                                                        {"--target-accuracy 0.9", "--target-accuracy needs --epochs"}})
+    EXPECT_TRUE(testing::FailsSaying(run.run("stn", args), needle)) << args;
+  const std::string missing = run.dir / "missing";
+  EXPECT_TRUE(
+      testing::FailsSaying(testing::run_cli("stn --data " + missing + " --out " + run.out + " --steps 1"), missing));
 }
 
 /// The "eval" records of one model's run, in order: (split, step, accuracy).
@@ -427,17 +423,15 @@ std::vector<std::tuple<std::string, int64_t, double>> evals_of(const std::string
 // best-validation checkpoint (its accuracy recomputed here from best.pt), and a run continued with
 // --resume ends exactly where one uninterrupted run does.
 TEST(StnCliTest, AValidationSplitPicksTheScoredCheckpointAndRunsResumeExactly) {
-  testing::TempDir dir;
-  const std::string data_dir = dir / "mnist";
-  testing::write_fake_mnist(data_dir, 40, 10);
-  const std::string cli = CAPSNET_CLI;
-  const auto command = [&](const std::string& out, int epochs, const std::string& extra) {
-    return cli + " stn --data " + data_dir + " --out " + out + " --model cnn --stn on --small --val 8 --epochs " +
-           std::to_string(epochs) + " --batch-size 8 --lr 3e-3 --test-limit 10 --precision fp32 --no-progress"
-           " --threads 1" + extra;
+  const testing::CliFolder run;
+  testing::write_fake_mnist(run.data, 40, 10);
+  const auto train = [&](const std::string& out, int epochs, const std::string& extra) {
+    return run.run_to(out, "stn",
+                      "--model cnn --stn on --small --val 8 --epochs " + std::to_string(epochs) +
+                          " --batch-size 8 --lr 3e-3 --test-limit 10 --precision fp32" + extra);
   };
-  const std::string whole = dir / "whole", parts = dir / "parts";
-  auto r = testing::run_command(command(whole, 3, ""));
+  const std::string whole = run.dir / "whole", parts = run.dir / "parts";
+  auto r = train(whole, 3, "");
   ASSERT_EQ(r.status, 0) << r.output;
   const auto evals = evals_of(whole + "/cnn+stn");  // 32 training images: 4 steps per epoch
   ASSERT_EQ(evals.size(), 3u);
@@ -462,15 +456,15 @@ TEST(StnCliTest, AValidationSplitPicksTheScoredCheckpointAndRunsResumeExactly) {
   models::BaselineCnn model(c);
   train::load_checkpoint(whole + "/cnn+stn/best.pt", *model, nullptr, [](const nlohmann::json&) { return true; });
   model->eval();
-  const auto test = data::distorted_set(data::take(data::load_mnist(data_dir, data::Split::kTest), 10), 2015);
+  const auto test = data::distorted_set(data::take(data::load_mnist(run.data, data::Split::kTest), 10), 2015);
   torch::NoGradGuard no_grad;
   const double acc = model(data::to_float(test.images)).argmax(1).eq(test.labels).to(torch::kDouble).mean().item<double>();
   EXPECT_DOUBLE_EQ(row["test_accuracy"].get<double>(), acc);
 
   // Two epochs, then a third with --resume: the same validation curve and the same scored model.
-  r = testing::run_command(command(parts, 2, ""));
+  r = train(parts, 2, "");
   ASSERT_EQ(r.status, 0) << r.output;
-  r = testing::run_command(command(parts, 3, " --resume"));
+  r = train(parts, 3, " --resume");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_EQ(evals_of(parts + "/cnn+stn"), evals);
   const auto resumed = nlohmann::json::parse(read_all(parts + "/stn.json"))["results"][0];
@@ -480,14 +474,11 @@ TEST(StnCliTest, AValidationSplitPicksTheScoredCheckpointAndRunsResumeExactly) {
 }
 
 TEST(StnCliTest, TrainAcceptsStnAndStoresItInTheCheckpoint) {
-  testing::TempDir dir;
-  const std::string data_dir = dir / "mnist", out = dir / "run";
-  testing::write_fake_mnist(data_dir, 8, 4);
-  const std::string cli = CAPSNET_CLI;
-  auto r = testing::run_command(cli + " train --stn --data " + data_dir + " --out " + out +
-                                " --steps 1 --batch-size 2 --no-eval --no-progress --threads 1");
+  const testing::CliFolder run;
+  testing::write_fake_mnist(run.data, 8, 4);
+  auto r = run.run("train", "--stn --steps 1 --batch-size 2 --no-eval");
   ASSERT_EQ(r.status, 0) << r.output;
-  const auto meta = train::read_checkpoint_meta(out + "/checkpoint.pt");
+  const auto meta = train::read_checkpoint_meta(run.out + "/checkpoint.pt");
   EXPECT_EQ(meta.model_config.value("stn", false), true) << meta.model_config;
 }
 

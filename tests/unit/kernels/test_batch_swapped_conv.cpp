@@ -34,12 +34,21 @@ torch::Tensor conv_output(const torch::Tensor& x, const torch::Tensor& w, const 
                     {g.dilation[0], g.dilation[1]});
 }
 
+/// A case's convolution with random float64 x [n, c, h, w], w [o, c, k0, k1] and output gradient dy.
+struct Problem {
+  torch::Tensor x, w, dy;
+};
+Problem random_problem(const Case& t, int64_t c) {
+  auto x = torch::randn({t.n, c, t.h, t.w}, torch::kDouble);
+  auto w = torch::randn({t.o, c, t.k0, t.k1}, torch::kDouble);
+  auto dy = torch::randn_like(conv_output(x, w, t.geometry));
+  return {x, w, dy};
+}
+
 TEST(BatchSwappedConv, WeightGradientEqualsAtenInFloat64) {
   torch::manual_seed(3);
   for (const auto& t : cases()) {
-    const auto x = torch::randn({t.n, t.c, t.h, t.w}, torch::kDouble);
-    const auto w = torch::randn({t.o, t.c, t.k0, t.k1}, torch::kDouble);
-    const auto dy = torch::randn_like(conv_output(x, w, t.geometry));
+    const auto [x, w, dy] = random_problem(t, t.c);
     const auto fast = kernels::conv2d_weight_grad_batch_swapped(dy, x, {t.k0, t.k1}, t.geometry);
     const auto reference = kernels::conv2d_weight_grad_reference(dy, x, w, t.geometry);
     ASSERT_EQ(fast.sizes(), reference.sizes());
@@ -53,9 +62,7 @@ TEST(BatchSwappedConv, ChunksOverInputChannelsGiveTheSameGradient) {
   // cropped) and one chunk must agree with ATen.
   torch::manual_seed(5);
   for (const auto& t : cases()) {
-    const auto x = torch::randn({t.n, 7, t.h, t.w}, torch::kDouble);
-    const auto w = torch::randn({t.o, 7, t.k0, t.k1}, torch::kDouble);
-    const auto dy = torch::randn_like(conv_output(x, w, t.geometry));
+    const auto [x, w, dy] = random_problem(t, 7);
     const auto reference = kernels::conv2d_weight_grad_reference(dy, x, w, t.geometry);
     const int64_t channel_bytes = t.n * t.h * t.w * 8;  // an upper bound: the copy is cropped to the window
     for (const int64_t chunk_bytes : {int64_t{1}, 3 * channel_bytes, int64_t{1} << 30}) {
@@ -151,9 +158,7 @@ std::vector<Case> phase_cases() {
 TEST(PhaseInputGrad, EqualsAtenInFloat64) {
   torch::manual_seed(7);
   for (const auto& t : phase_cases()) {
-    const auto x = torch::randn({t.n, t.c, t.h, t.w}, torch::kDouble);
-    const auto w = torch::randn({t.o, t.c, t.k0, t.k1}, torch::kDouble);
-    const auto dy = torch::randn_like(conv_output(x, w, t.geometry));
+    const auto [x, w, dy] = random_problem(t, t.c);
     const auto fast = kernels::conv2d_input_grad_by_phases(dy, w, {t.h, t.w}, t.geometry);
     const auto reference = kernels::conv2d_input_grad_reference(dy, w, {t.h, t.w}, t.geometry);
     ASSERT_EQ(fast.sizes(), x.sizes());

@@ -9,6 +9,7 @@
 
 #include "capsnet/models/capsnet.h"
 #include "gradcheck.h"
+#include "test_helpers.h"
 
 namespace {
 
@@ -17,14 +18,11 @@ using capsnet::models::CapsNetConfig;
 using capsnet::models::CapsNetOutput;
 using capsnet::models::count_parameters;
 
-// 12x12 -> conv1 3x3 -> 10x10 -> primary 3x3/2 -> 4x4 x 4 types = 64 capsules of 8D.
+// 12x12 -> conv1 3x3 -> 10x10 -> primary 3x3/2 -> 4x4 x 4 types = 64 capsules of 8D, digit capsules of 16D.
 CapsNetConfig small_config() {
-  CapsNetConfig c;
-  c.image_size = 12;
-  c.conv1_kernel = 3;
-  c.primary_kernel = 3;
-  c.conv1_channels = 8;
-  c.primary_types = 4;
+  CapsNetConfig c = capsnet::testing::tiny_config();
+  c.primary_dim = 8;
+  c.digit_dim = 16;
   return c;
 }
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -14,6 +15,7 @@
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/gradients.h"
 #include "capsnet/train/loop.h"
+#include "loop_options.h"
 #include "test_helpers.h"
 
 namespace capsnet {
@@ -70,14 +72,11 @@ class RegressionTask : public train::Task {
 };
 
 train::LoopOptions options(const std::string& out_dir) {
-  train::LoopOptions o;
-  o.out_dir = out_dir;
-  o.batch_size = 4;
+  auto o = testing::quiet_loop(out_dir, 4);
   o.lr = 0.05;
   o.lr_decay = 0.5;
   o.seed = 3;
   o.log_every = 1;
-  o.progress = false;
   return o;
 }
 
@@ -332,25 +331,38 @@ TEST(LoopTest, OneCycleWarmsUpToThePeakThenAnnealsToNearZeroAndFixesItsLength) {
   }
 }
 
-/// The regression task with a scripted held-out accuracy per evaluation (then 0).
-class ScriptedAccuracyTask : public RegressionTask {
+/// The regression task whose held-out accuracy follows a script, one value per evaluation (then 0): the
+/// test evaluation's (kTest) or the epoch-end validation's (kValidation, which also reports a loss of 1).
+class ScriptedTask : public RegressionTask {
  public:
-  explicit ScriptedAccuracyTask(std::vector<double> accuracies)
-      : RegressionTask(10, true), accuracies_(std::move(accuracies)) {}
-  std::optional<train::Evaluation> evaluate(std::ostream*) override {
-    const size_t k = static_cast<size_t>(evaluations++);
-    const double acc = k < accuracies_.size() ? accuracies_[k] : 0.0;
+  enum class Split { kTest, kValidation };
+  ScriptedTask(Split split, std::vector<double> accuracies)
+      : RegressionTask(10, true), split_(split), accuracies_(std::move(accuracies)) {}
+  std::optional<train::Evaluation> evaluate(std::ostream* log) override {
+    if (split_ != Split::kTest) return RegressionTask::evaluate(log);
+    const double acc = next(evaluations);
     return train::Evaluation{{{"accuracy", acc}}, fmt::format("accuracy {}", acc)};
+  }
+  std::optional<train::Evaluation> evaluate_validation(std::ostream* log) override {
+    if (split_ != Split::kValidation) return RegressionTask::evaluate_validation(log);
+    const double acc = next(validations_);
+    return train::Evaluation{{{"accuracy", acc}, {"loss", 1.0}}, fmt::format("val {}", acc)};
   }
 
  private:
+  double next(int64_t& counter) const {
+    const size_t k = static_cast<size_t>(counter++);
+    return k < accuracies_.size() ? accuracies_[k] : 0.0;
+  }
+  Split split_;
   std::vector<double> accuracies_;
+  int64_t validations_ = 0;
 };
 
 TEST(LoopTest, ATargetAccuracyStopsAtTheFirstEpochThatReachesIt) {
   TempDir dir;
   std::ostringstream log;
-  ScriptedAccuracyTask task({0.5, 0.89, 0.9, 0.95});
+  ScriptedTask task(ScriptedTask::Split::kTest, {0.5, 0.89, 0.9, 0.95});
   auto o = options(dir / "run");
   o.epochs = 5;  // 3 steps per epoch
   o.target_accuracy = 0.9;
@@ -366,7 +378,7 @@ TEST(LoopTest, ATargetAccuracyStopsAtTheFirstEpochThatReachesIt) {
   EXPECT_EQ(train::read_checkpoint_meta(train::checkpoint_path(o.out_dir)).step, 9) << "the stopping epoch is saved";
 
   // Never reached: every epoch runs, and the end record says so.
-  ScriptedAccuracyTask never({0.1, 0.2});
+  ScriptedTask never(ScriptedTask::Split::kTest, {0.1, 0.2});
   auto o2 = options(dir / "never");
   o2.epochs = 2;
   o2.target_accuracy = 0.9;
@@ -383,26 +395,10 @@ TEST(LoopTest, ATargetAccuracyStopsAtTheFirstEpochThatReachesIt) {
   EXPECT_EQ(train::run(mse_only, o3, log).end_step, 6);
 }
 
-/// The regression task with a scripted validation accuracy per epoch end (then 0).
-class ScriptedValidationTask : public RegressionTask {
- public:
-  explicit ScriptedValidationTask(std::vector<double> accuracies)
-      : RegressionTask(10, true), accuracies_(std::move(accuracies)) {}
-  std::optional<train::Evaluation> evaluate_validation(std::ostream*) override {
-    const size_t k = static_cast<size_t>(validations_++);
-    const double acc = k < accuracies_.size() ? accuracies_[k] : 0.0;
-    return train::Evaluation{{{"accuracy", acc}, {"loss", 1.0}}, fmt::format("val {}", acc)};
-  }
-
- private:
-  std::vector<double> accuracies_;
-  int64_t validations_ = 0;
-};
-
 TEST(LoopTest, BestPtIsTheFoldersOwnRunsOrNone) {
   TempDir dir;
   std::ostringstream log;
-  ScriptedValidationTask first({0.5, 0.9});
+  ScriptedTask first(ScriptedTask::Split::kValidation, {0.5, 0.9});
   auto o = options(dir / "a");
   o.epochs = 2;  // 3 steps per epoch
   auto a = train::run(first, o, log);
@@ -411,7 +407,7 @@ TEST(LoopTest, BestPtIsTheFoldersOwnRunsOrNone) {
   ASSERT_TRUE(std::filesystem::exists(best_a));
 
   // Continued in its own folder with a worse epoch: best.pt stays, the best is remembered.
-  ScriptedValidationTask worse({0.4});
+  ScriptedTask worse(ScriptedTask::Split::kValidation, {0.4});
   auto more = o;
   more.epochs = 3;
   more.resume = a.checkpoint;
@@ -424,7 +420,7 @@ TEST(LoopTest, BestPtIsTheFoldersOwnRunsOrNone) {
   const std::string other = dir / "other";
   std::filesystem::create_directories(other);
   std::ofstream(train::best_checkpoint_path(other)) << "an older run's best";
-  ScriptedValidationTask elsewhere({0.4});
+  ScriptedTask elsewhere(ScriptedTask::Split::kValidation, {0.4});
   auto moved = more;
   moved.out_dir = other;
   moved.epochs = 4;
@@ -478,7 +474,10 @@ TEST(LoopTest, BadOptionsNameTheField) {
   TempDir dir;
   RegressionTask task(10, true);
   std::ostringstream log;
-  auto expect_field = [&](train::LoopOptions o, const std::string& field) {
+  // options() with one change is refused by an error that names `field`.
+  auto expect_field = [&](const std::function<void(train::LoopOptions&)>& change, const std::string& field) {
+    auto o = options(dir / "run");
+    change(o);
     try {
       train::run(task, o, log);
       FAIL() << "expected std::invalid_argument for " << field;
@@ -486,29 +485,14 @@ TEST(LoopTest, BadOptionsNameTheField) {
       EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
     }
   };
-  auto o = options(dir / "run");
-  o.batch_size = 0;
-  expect_field(o, "batch_size");
-  o = options(dir / "run");
-  o.lr_decay = 1.5;
-  expect_field(o, "lr_decay");
-  o = options(dir / "run");
-  o.warmup_fraction = 1;
-  expect_field(o, "warmup_fraction");
+  expect_field([](auto& o) { o.batch_size = 0; }, "batch_size");
+  expect_field([](auto& o) { o.lr_decay = 1.5; }, "lr_decay");
+  expect_field([](auto& o) { o.warmup_fraction = 1; }, "warmup_fraction");
   EXPECT_THROW(train::parse_lr_schedule("cosine"), std::invalid_argument);
-  o = options(dir / "run");
-  o.epochs = 0;
-  expect_field(o, "nothing to do");
-  o = options(dir / "run");
-  o.target_accuracy = 1.5;
-  expect_field(o, "target_accuracy");
-  o = options(dir / "run");
-  o.target_accuracy = 0.9;
-  o.evaluate_each_epoch = false;
-  expect_field(o, "evaluate_each_epoch");
-  o = options(dir / "run");
-  o.eval_every = -1;
-  expect_field(o, "eval_every");
+  expect_field([](auto& o) { o.epochs = 0; }, "nothing to do");
+  expect_field([](auto& o) { o.target_accuracy = 1.5; }, "target_accuracy");
+  expect_field([](auto& o) { o.target_accuracy = 0.9, o.evaluate_each_epoch = false; }, "evaluate_each_epoch");
+  expect_field([](auto& o) { o.eval_every = -1; }, "eval_every");
   RegressionTask empty(0, true);
   EXPECT_THROW(train::run(empty, options(dir / "run"), log), std::invalid_argument);
 }

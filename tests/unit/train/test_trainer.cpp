@@ -31,6 +31,14 @@ train::TrainOptions tiny_options(const std::string& out_dir) {
   return o;
 }
 
+// tiny_options for `epochs` epochs holding out the last 16 examples for validation.
+train::TrainOptions validated_options(const std::string& out_dir, int64_t epochs) {
+  auto o = tiny_options(out_dir);
+  o.validation_size = 16;
+  o.loop.epochs = epochs;
+  return o;
+}
+
 std::vector<nlohmann::json> read_jsonl(const std::string& path) {
   std::ifstream in(path);
   std::vector<nlohmann::json> out;
@@ -153,9 +161,7 @@ TEST(TrainerTest, ValidationSplitIsTheLastExamplesAndPicksTheBestCheckpoint) {
   auto test = testing::synthetic_set(24, 12, 7);
   TempDir dir;
   std::ostringstream log;
-  auto o = tiny_options(dir / "run");
-  o.validation_size = 16;
-  o.loop.epochs = 4;
+  auto o = validated_options(dir / "run", 4);
   auto r = train::train(o, set, &test, log);
   EXPECT_EQ(r.losses.size(), 12u) << "the held-out examples are not trained on";
   ASSERT_TRUE(r.validation && r.test);
@@ -201,9 +207,7 @@ TEST(TrainerTest, AResumeKeepsTheBestValidationAndAFreshRunDropsTheOldBest) {
   auto set = testing::synthetic_set(64, 12, 6);
   TempDir dir;
   std::ostringstream log;
-  auto o = tiny_options(dir / "run");
-  o.validation_size = 16;
-  o.loop.epochs = 2;
+  auto o = validated_options(dir / "run", 2);
   auto a = train::train(o, set, nullptr, log);
   ASSERT_TRUE(a.best_validation_accuracy);
   auto rest = o;
