@@ -55,6 +55,11 @@ void add_capspix2pix_model_flags(CLI::App* app, Pix2pixFlags* f) {
       ->capture_default_str();
   app->add_option("--recon-weight", f->o.model.l1_weight, "Weight lambda of the L1 term (pix2pix: 100)")
       ->capture_default_str();
+  app->add_option("--mode-seeking", f->o.mode_seeking,
+                  "Weight of MSGAN's mode-seeking term in the generator's loss (Mao et al. 2019; they use 1): rewards "
+                  "different images for different z on the same map (0 = off, pix2pix's loss)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
 }
 
 // The time budget, logging, checkpoints, figures and scores, routing path, precision and the loop's flags.
@@ -125,6 +130,7 @@ nlohmann::json capspix2pix_summary(const Pix2pixFlags* f, const experiments::Pix
       {"lr", o.loop.lr},
       {"beta1", o.beta1},
       {"l1_weight", o.model.l1_weight},
+      {"mode_seeking", o.mode_seeking},
       {"images_seen", result.steps * o.loop.batch_size},
       {"train_seconds", result.seconds},
       {"train_images_per_second", result.images_per_second},

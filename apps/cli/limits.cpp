@@ -55,7 +55,7 @@ const std::map<std::string, Range>& limits() {
       {"--warmup-fraction", {0, 0.99, false}}, {"--request-timeout", {0.001, 86400, false}},
       {"--recon-weight", {0, 1e6, false}},     {"--target-accuracy", {0, 1, false}},
       {"--eval-every", {0, 1e9, true}},       {"--lr-decay-steps", {0, 1e9, true}},
-      {"--val", {0, 1e9, true}},
+      {"--val", {0, 1e9, true}},              {"--mode-seeking", {0, 1e6, false}},
   };
   return table;
 }

@@ -26,6 +26,12 @@ void Pix2pixTrainOptions::validate() const {
     throw std::invalid_argument(fmt::format("capspix2pix: diversity_samples must be >= 2, got {}", diversity_samples));
   if (!(beta1 >= 0 && beta1 < 1))
     throw std::invalid_argument(fmt::format("capspix2pix: beta1 must be in [0, 1), got {}", beta1));
+  if (!(mode_seeking >= 0 && std::isfinite(mode_seeking)))
+    throw std::invalid_argument(fmt::format("capspix2pix: mode_seeking must be >= 0, got {}", mode_seeking));
+  if (mode_seeking > 0 && (model.z_dim == 0 || loop.batch_size < 2))
+    throw std::invalid_argument(
+        fmt::format("capspix2pix: mode_seeking needs noise (z_dim > 0, got {}) and batches of >= 2 maps (got {})",
+                    model.z_dim, loop.batch_size));
   loop.validate();
 }
 
@@ -163,8 +169,14 @@ std::unique_ptr<torch::optim::Adam> make_pix2pix_optimizer(models::Pix2pix& mode
   return kernels::make_adam(std::move(groups), torch::optim::AdamOptions(lr).betas({beta1, 0.999}));
 }
 
+torch::Tensor mode_seeking_ratio(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& z_a,
+                                 const torch::Tensor& z_b) {
+  return (a - b).abs().mean() / (z_a - z_b).abs().mean();
+}
+
 models::Pix2pixLosses pix2pix_step(models::Pix2pix& model, torch::optim::Optimizer& optimizer,
-                                   const torch::Tensor& labels, const torch::Tensor& real, const torch::Tensor& z) {
+                                   const torch::Tensor& labels, const torch::Tensor& real, const torch::Tensor& z,
+                                   double mode_seeking, torch::Tensor* ratio) {
   // Adam skips parameters whose gradient is undefined (clear_grads; a zero gradient would still move them
   // through the moments): clearing all, then backpropagating one network's loss, updates that network only.
   const auto all = model->parameters();
@@ -177,7 +189,15 @@ models::Pix2pixLosses pix2pix_step(models::Pix2pix& model, torch::optim::Optimiz
 
   train::clear_grads(all);
   auto g = model->generator_losses(labels, real, fake);
-  g.generator.backward();
+  auto g_loss = g.generator;
+  if (mode_seeking > 0) {
+    if (z.size(0) < 2) throw std::invalid_argument("capspix2pix: the mode-seeking term needs >= 2 maps per batch");
+    const auto z2 = z.roll(1, 0);  // [B, Z]: each map with another example's noise
+    const auto r = mode_seeking_ratio(fake.to(torch::kFloat32), model->generate(labels, z2).to(torch::kFloat32), z, z2);
+    g_loss = g_loss + mode_seeking / (r + 1e-5);
+    if (ratio) *ratio = r.detach();
+  }
+  g_loss.backward();
   train::clear_grads(model->discriminator_parameters());  // D's gradient of G's loss is not D's to follow
   optimizer.step();
   train::clear_grads(all);
@@ -215,10 +235,12 @@ class Pix2pixTask : public train::Task {
     }
   }
   nlohmann::json data_config() const override {
-    return {{"map_size", train_.size()},
-            {"object_threshold", train_.options().object_threshold},
-            {"flip", train_.options().flip},
-            {"beta1", o_.beta1}};
+    nlohmann::json j = {{"map_size", train_.size()},
+                        {"object_threshold", train_.options().object_threshold},
+                        {"flip", train_.options().flip},
+                        {"beta1", o_.beta1}};
+    if (o_.mode_seeking > 0) j["mode_seeking"] = o_.mode_seeking;  // absent = 0, as in older checkpoints
+    return j;
   }
   std::string describe() const override {
     return fmt::format("capspix2pix, {} generator ({} parameters) + PatchGAN discriminator ({} parameters)",
@@ -237,8 +259,11 @@ class Pix2pixTask : public train::Task {
   }
   bool steps_itself() const override { return true; }
   train::TaskLoss train_step(const train::Batch& rows, torch::optim::Optimizer& optimizer) override {
-    auto l = pix2pix_step(model_, optimizer, rows[0], rows[1], rows[2]);
-    return {l.generator, {{"d_loss", l.discriminator}, {"g_gan", l.generator_gan}, {"l1", l.l1}}};
+    torch::Tensor ratio;
+    auto l = pix2pix_step(model_, optimizer, rows[0], rows[1], rows[2], o_.mode_seeking, &ratio);
+    train::TaskLoss out{l.generator, {{"d_loss", l.discriminator}, {"g_gan", l.generator_gan}, {"l1", l.l1}}};
+    if (ratio.defined()) out.scalars.emplace_back("mode_seeking_ratio", ratio);
+    return out;
   }
   train::TaskLoss loss(const train::Batch& rows) override {  // the generator's objective, no update
     auto fake = model_->generate(rows[0], rows[2]);

@@ -43,6 +43,9 @@ struct Pix2pixTrainOptions {
   int64_t eval_batch_size = 50;
   int64_t diversity_maps = 16;     // test maps whose samples are compared
   int64_t diversity_samples = 8;   // z samples per map
+  /// Weight of the mode-seeking term (Mao et al. 2019, MSGAN) in the generator's loss: lambda / (r + 1e-5)
+  /// with r = mode_seeking_ratio of two samples per map; 0 = off (pix2pix's loss).
+  double mode_seeking = 0;
   bool fused_routing = true;
 
   /// Throws std::invalid_argument naming the bad field.
@@ -102,11 +105,20 @@ Pix2pixTrainResult train_pix2pix(const Pix2pixTrainOptions& options, const data:
 /// One optimizer for both networks: group 0 = generator, group 1 = discriminator, Adam(lr, (beta1, 0.999)).
 std::unique_ptr<torch::optim::Adam> make_pix2pix_optimizer(models::Pix2pix& model, double lr, double beta1);
 
+/// MSGAN's ratio of image to noise distance: mean |a - b| / mean |z_a - z_b|, with a = G(x, z_a) and
+/// b = G(x, z_b) [B, 1, S, S], z_a and z_b [B, Z]. Large when different noise gives different images.
+torch::Tensor mode_seeking_ratio(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& z_a,
+                                 const torch::Tensor& z_b);
+
 /// One training step: discriminator update, then generator update (the same fake batch, D already
 /// updated, as pix2pix). labels [B, K, S, S], real [B, 1, S, S] in [-1, 1], z [B, Z].
+/// With mode_seeking > 0 the generator's loss gains mode_seeking / (r + 1e-5), r = mode_seeking_ratio of
+/// G(x, z) and G(x, z rolled by one row: each map with another example's noise); B >= 2 then, and
+/// *ratio (when given) receives r, detached.
 /// Returns the losses (detached) computed during the two updates.
 models::Pix2pixLosses pix2pix_step(models::Pix2pix& model, torch::optim::Optimizer& optimizer,
-                                   const torch::Tensor& labels, const torch::Tensor& real, const torch::Tensor& z);
+                                   const torch::Tensor& labels, const torch::Tensor& real, const torch::Tensor& z,
+                                   double mode_seeking = 0, torch::Tensor* ratio = nullptr);
 
 /// Loads a generator+discriminator checkpoint written by train_pix2pix (any config).
 models::Pix2pix load_pix2pix(const std::string& checkpoint);

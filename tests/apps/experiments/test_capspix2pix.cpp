@@ -267,6 +267,49 @@ TEST(CapsPix2pixTrain, OneStepLowersTheGeneratorL1OnAFixedBatch) {
   }
 }
 
+// MSGAN's mode-seeking term: the ratio is mean |a - b| / mean |z_a - z_b|; the step reports it for G(x, z)
+// and G(x, z rolled by one row) at the generator's weights before the step; when the term dominates the
+// generator's loss, one step makes different noise give more different images; bad settings are refused.
+TEST(CapsPix2pixTrain, ModeSeekingTermRewardsNoiseThatChangesTheImage) {
+  using capsnet::experiments::mode_seeking_ratio;
+  const auto a = torch::tensor({1.0, 2.0}).view({1, 1, 1, 2}), b = torch::tensor({0.0, 4.0}).view({1, 1, 1, 2});
+  const auto za = torch::tensor({0.0, 0.0}).view({1, 2}), zb = torch::tensor({1.0, 3.0}).view({1, 2});
+  EXPECT_DOUBLE_EQ(mode_seeking_ratio(a, b, za, zb).item<double>(), 1.5 / 2.0);
+
+  capsnet::testing::ScopedThreads one(1);
+  torch::manual_seed(5);
+  Pix2pix m(tiny("caps"));
+  auto opt = capsnet::experiments::make_pix2pix_optimizer(m, 2e-4, 0.5);
+  LabelMaps set(blob_set(10, 1), 2, maps16());
+  auto b8 = set.generate(0, 8);
+  const auto z = torch::randn({8, 2}), z2 = z.roll(1, 0);
+  auto ratio_now = [&] {
+    torch::NoGradGuard ng;
+    return mode_seeking_ratio(m->generate(b8.one_hot, z), m->generate(b8.one_hot, z2), z, z2).item<double>();
+  };
+  const double before = ratio_now();
+  torch::Tensor reported;
+  capsnet::experiments::pix2pix_step(m, *opt, b8.one_hot, b8.images, z, /*mode_seeking=*/1e3, &reported);
+  ASSERT_TRUE(reported.defined());
+  EXPECT_NEAR(reported.item<double>(), before, 1e-6 * before);
+  EXPECT_GT(ratio_now(), before);
+  torch::Tensor untouched;
+  capsnet::experiments::pix2pix_step(m, *opt, b8.one_hot, b8.images, z, 0, &untouched);
+  EXPECT_FALSE(untouched.defined()) << "off: no second generator pass";
+
+  capsnet::experiments::Pix2pixTrainOptions o;
+  o.model = tiny("caps");
+  o.mode_seeking = -1;
+  EXPECT_THROW(o.validate(), std::invalid_argument);
+  o.mode_seeking = 1;
+  EXPECT_NO_THROW(o.validate());
+  o.loop.batch_size = 1;
+  EXPECT_THROW(o.validate(), std::invalid_argument);
+  o.loop.batch_size = 2;
+  o.model.z_dim = 0;
+  EXPECT_THROW(o.validate(), std::invalid_argument);
+}
+
 TEST(CapsPix2pixTrain, LoopTrainsResumesExactlyAndEvaluates) {
   capsnet::testing::ScopedThreads one(1);
   capsnet::testing::TempDir dir;
@@ -513,8 +556,8 @@ TEST(CapsPix2pixCli, TrainsBothGeneratorsAndDrawsThemSideBySide) {
                                     " --steps 1 --batch-size 4 --conv1-channels 8 --primary-types 2 --no-eval "
                                     "--no-progress --threads 1");
   ASSERT_EQ(r.status, 0) << r.output;
-  r = capsnet::testing::run_command(kCli + " capspix2pix --generator caps --out " + (dir / "caps") + common +
-                                    " --compare-with " + capsnet::train::checkpoint_path(dir / "cnn") +
+  r = capsnet::testing::run_command(kCli + " capspix2pix --generator caps --mode-seeking 1 --out " + (dir / "caps") +
+                                    common + " --compare-with " + capsnet::train::checkpoint_path(dir / "cnn") +
                                     " --classifier " + capsnet::train::checkpoint_path(dir / "classifier"));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("caps generator, test (3 maps)"), std::string::npos) << r.output;
@@ -530,6 +573,16 @@ TEST(CapsPix2pixCli, TrainsBothGeneratorsAndDrawsThemSideBySide) {
   EXPECT_EQ(j["l1_weight"], 100.0);
   EXPECT_EQ(j["beta1"], 0.5);
   EXPECT_EQ(j["lr"], 2e-4);
+  EXPECT_EQ(j["mode_seeking"], 1.0);
+  {
+    std::ifstream metrics(dir / "caps/metrics.jsonl");
+    int with_ratio = 0;
+    for (std::string line; std::getline(metrics, line);) {
+      const auto rec = nlohmann::json::parse(line);
+      if (rec["event"] == "train") with_ratio += rec.contains("mode_seeking_ratio");
+    }
+    EXPECT_EQ(with_ratio, 2) << "both logged steps carry the mode-seeking ratio";
+  }
   EXPECT_GT(j["generator_parameters"].get<int64_t>(), 0);
   EXPECT_EQ(j["test"]["maps"], 3);
   for (const char* f : {"capspix2pix_compare.png", "capspix2pix_variations.png", "capspix2pix_interpolation.png"})
@@ -543,6 +596,7 @@ TEST(CapsPix2pixCli, TrainsBothGeneratorsAndDrawsThemSideBySide) {
             std::string::npos);
   // One model alone: its captions name it once, with no empty column.
   auto cnn = nlohmann::json::parse(std::ifstream(dir / "cnn/capspix2pix.json"));
+  EXPECT_EQ(cnn["mode_seeking"], 0.0);
   EXPECT_NE(cnn["figures"]["capspix2pix_compare.png"].get<std::string>().find("label | pix2pix | real"),
             std::string::npos);
   EXPECT_NE(cnn["figures"]["capspix2pix_variations.png"].get<std::string>().find("(pix2pix):"), std::string::npos);
@@ -550,6 +604,9 @@ TEST(CapsPix2pixCli, TrainsBothGeneratorsAndDrawsThemSideBySide) {
   r = capsnet::testing::run_command(kCli + " capspix2pix --generator gan --out " + (dir / "x"));
   EXPECT_NE(r.status, 0);
   r = capsnet::testing::run_command(kCli + " capspix2pix --recon-weight=-1 --out " + (dir / "x"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("out of range"), std::string::npos) << r.output;
+  r = capsnet::testing::run_command(kCli + " capspix2pix --mode-seeking=-1 --out " + (dir / "x"));
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("out of range"), std::string::npos) << r.output;
   r = capsnet::testing::run_command(kCli + " capspix2pix --classifier " + (dir / "missing.pt") + " --out " +
