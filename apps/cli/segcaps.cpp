@@ -60,6 +60,11 @@ void add_segcaps_training_flags(CLI::App* app, SegCapsFlags* f) {
   app->add_option("--threshold", f->o.threshold, "Predicted mask = capsule length > threshold")
       ->check(CLI::Range(1e-6, 1 - 1e-6))
       ->capture_default_str();
+  app->add_option("--val", f->o.validation_size,
+                  "Hold out the last N training digits (not trained on); N validation images made from them "
+                  "(seed --test-seed + 1) choose the capsule-length threshold, and the test Dice is also reported "
+                  "at it (0 = no validation split)")
+      ->capture_default_str();
 }
 
 // The generated cluttered images.
@@ -141,13 +146,16 @@ void apply_segcaps_flags(SegCapsFlags* f) {
   o.model.auto_pos_weight = f->pos_weight == "auto";
   o.model.pos_weight = pos.value_or(1.0);  // "dataset": measured on the training images in run_segcaps
   o.model.recon_weight = f->recon_weight;
+  if (o.validation_size == 1)  // each generated image needs clutter from another digit of its set
+    throw std::invalid_argument("--val must be 0 or at least 2 (validation images are made of the held-out digits)");
   o.validate();  // before loading the data
   f->d.validate(28);
 }
 
 // segcaps.json: the options, data, training figures, the test Dice and the thresholding baseline.
 nlohmann::json segcaps_summary(const SegCapsFlags* f, const experiments::SegCapsTrainResult& result,
-                               const experiments::ThresholdBaseline& baseline) {
+                               const experiments::ThresholdBaseline& baseline,
+                               const std::optional<experiments::ValidatedThreshold>& chosen) {
   const auto& o = f->o;
   const auto& model = result.model;
   nlohmann::json summary = {
@@ -194,6 +202,17 @@ nlohmann::json segcaps_summary(const SegCapsFlags* f, const experiments::SegCaps
         {"test_dice", baseline.test_dice_at_best},
         {"test_dice_at_0.5", baseline.test_dice_at_half}}},
       {"model_file", train::checkpoint_path(o.loop.out_dir)}};
+  if (chosen)
+    summary["validation"] = {
+        {"rule", "threshold = argmax of the mean validation Dice over 0.05..0.95 (first of equals)"},
+        {"held_out_digits", o.validation_size},
+        {"seed", f->test_seed + 1},
+        {"examples", chosen->val_examples},
+        {"thresholds", chosen->thresholds},
+        {"dice", chosen->val_dice},
+        {"best_threshold", chosen->best_threshold},
+        {"val_dice_at_best", chosen->val_dice_at_best},
+        {"test_dice_at_best", chosen->test_dice_at_best}};
   return summary;
 }
 
@@ -201,7 +220,10 @@ int run_segcaps(const std::shared_ptr<SegCapsFlags>& f, const std::shared_ptr<tr
   const auto t_start = std::chrono::steady_clock::now();
   auto& o = f->o;
 
-  data::DigitSegmentation train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.loop.seed, f->d);
+  // The validation split: the last --val training digits, never trained on.
+  const auto [train_digits, val_digits] =
+      data::split_tail(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.validation_size);
+  data::DigitSegmentation train_set(train_digits, o.loop.seed, f->d);
   data::DigitSegmentation test_set(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_seed, f->d);
   if (f->pos_weight == "dataset") {  // one pass: as many generated images as source digits
     o.model.pos_weight = data::foreground_weight(train_set, train_set.source_size());
@@ -223,7 +245,15 @@ int run_segcaps(const std::shared_ptr<SegCapsFlags>& f, const std::shared_ptr<tr
   std::cout << fmt::format("SegCaps test: mean Dice {:.4f} on {} images (loss {:.4f}); threshold baseline {:.4f}\n",
                            result.test.mean_dice, result.test.examples, result.test.loss, baseline.test_dice_at_best);
 
-  auto summary = segcaps_summary(f.get(), result, baseline);
+  std::optional<experiments::ValidatedThreshold> chosen;
+  if (o.validation_size > 0) {
+    data::DigitSegmentation val_set(val_digits, f->test_seed + 1, f->d);
+    chosen = experiments::choose_threshold(model, val_set, o.validation_size, test_set, o.test_size, o.eval_batch_size);
+    std::cout << fmt::format(
+        "threshold chosen on {} validation images: {:.2f} (validation Dice {:.4f}); test Dice at it {:.4f}\n",
+        chosen->val_examples, chosen->best_threshold, chosen->val_dice_at_best, chosen->test_dice_at_best);
+  }
+  auto summary = segcaps_summary(f.get(), result, baseline, chosen);
   if (f->figure_rows > 0) {
     auto figure = experiments::segcaps_figure(model, test_set, 0, f->figure_rows, o.threshold);
     const std::string png = o.loop.out_dir + "/segcaps.png";

@@ -238,8 +238,10 @@ class Pix2pixTask : public train::Task {
     nlohmann::json j = {{"map_size", train_.size()},
                         {"object_threshold", train_.options().object_threshold},
                         {"flip", train_.options().flip},
-                        {"beta1", o_.beta1}};
-    if (o_.mode_seeking > 0) j["mode_seeking"] = o_.mode_seeking;  // absent = 0, as in older checkpoints
+                        {"beta1", o_.beta1},
+                        // Always written: the resume check compares keys present in both (older checkpoints
+                        // lack it), so a run with the term cannot continue as one without it or vice versa.
+                        {"mode_seeking", o_.mode_seeking}};
     return j;
   }
   std::string describe() const override {
@@ -307,13 +309,11 @@ Pix2pixTrainResult train_pix2pix(const Pix2pixTrainOptions& options, const data:
                                             train_set.size(), options.model.image_size));
   Pix2pixTask task(options, train_set, test_set);
   auto r = train::run(task, options.loop, log);
-  Pix2pixTrainResult result{train::RunStats::of(r)};
-  result.model = task.model_;
   // A resume of a finished run trains no step and so never evaluates: do it here.
-  result.test = r.evaluation ? task.last_
-                             : evaluate_pix2pix(task.model_, test_set, options.test_size, options.eval_batch_size,
-                                                options.eval_seed, options.diversity_maps, options.diversity_samples);
-  return result;
+  auto test = r.evaluation ? task.last_
+                           : evaluate_pix2pix(task.model_, test_set, options.test_size, options.eval_batch_size,
+                                              options.eval_seed, options.diversity_maps, options.diversity_samples);
+  return Pix2pixTrainResult{train::RunStats::of(r), task.model_, std::move(test)};
 }
 
 models::Pix2pix load_pix2pix(const std::string& checkpoint) {

@@ -182,13 +182,11 @@ EmTrainResult train_em(const EmTrainOptions& options, const data::ImageSet& trai
                                             options.model.image_size, options.model.image_size));
   EmTask task(options, train_set, test_set);
   auto r = train::run(task, options.loop, log, std::move(group));
-  EmTrainResult result{train::RunStats::of(r)};
-  result.model = task.model_;
+  EmTrainResult result{train::RunStats::of(r), task.model_, 0.0, task.last_};
   // Training accuracy over the last log_every steps (what the last "train" record shows).
   const auto tail = std::min<size_t>(r.accuracies.size(), static_cast<size_t>(options.loop.log_every));
   for (size_t i = r.accuracies.size() - tail; i < r.accuracies.size(); ++i)
     result.final_train_accuracy += r.accuracies[i] / static_cast<double>(tail);
-  result.test = task.last_;
   return result;
 }
 

@@ -336,8 +336,7 @@ MultiMnistTrainResult train_multimnist(const MultiMnistTrainOptions& options, co
   else
     task = std::make_unique<MultiMnistTask>(options, train_pairs, test_pairs);
   auto r = train::run(*task, options.loop, log, std::move(group));
-  MultiMnistTrainResult result{train::RunStats::of(r)};
-  result.test = std::move(task->last_);
+  MultiMnistTrainResult result{train::RunStats::of(r), std::move(task->last_)};
   if (!result.losses.empty()) {
     auto mean = [](const std::vector<double>& v) {
       double s = 0;

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -21,6 +22,8 @@ void SegCapsTrainOptions::validate() const {
   positive("steps", loop.max_steps);
   positive("test_size", test_size);
   positive("eval_batch_size", eval_batch_size);
+  if (validation_size < 0)
+    throw std::invalid_argument(fmt::format("segcaps: validation_size must be >= 0, got {}", validation_size));
   loop.validate();
   if (!(threshold > 0 && threshold < 1))
     throw std::invalid_argument(fmt::format("segcaps: threshold must be in (0, 1), got {}", threshold));
@@ -49,6 +52,46 @@ SegmentationEval evaluate_segcaps(models::SegCaps& model, const data::DigitSegme
   return r;
 }
 
+std::vector<double> threshold_grid() {
+  std::vector<double> grid;
+  for (int k = 1; k <= 19; ++k) grid.push_back(0.05 * k);
+  return grid;
+}
+
+std::vector<double> dice_by_threshold(models::SegCaps& model, const data::DigitSegmentation& set, int64_t first_n,
+                                      int64_t count, int64_t batch_size, const std::vector<double>& thresholds) {
+  if (count < 1 || batch_size < 1 || thresholds.empty())
+    throw std::invalid_argument("dice_by_threshold: count, batch_size and the threshold list must be non-empty");
+  torch::NoGradGuard no_grad;
+  const bool was_training = model->is_training();
+  model->eval();
+  std::vector<double> sums(thresholds.size(), 0.0);
+  for (int64_t start = 0; start < count; start += batch_size) {
+    const int64_t len = std::min(batch_size, count - start);
+    auto batch = set.generate(first_n + start, len);
+    auto prob = model->forward(batch.images).probability;  // [len, 1, S, S]
+    for (size_t k = 0; k < thresholds.size(); ++k)
+      sums[k] += data::dice_per_image(prob > thresholds[k], batch.masks).sum().item<double>();
+  }
+  model->train(was_training);
+  for (auto& v : sums) v /= static_cast<double>(count);
+  return sums;
+}
+
+ValidatedThreshold choose_threshold(models::SegCaps& model, const data::DigitSegmentation& val, int64_t val_count,
+                                    const data::DigitSegmentation& test, int64_t test_count, int64_t batch_size) {
+  ValidatedThreshold c;
+  c.thresholds = threshold_grid();
+  c.val_dice = dice_by_threshold(model, val, 0, val_count, batch_size, c.thresholds);
+  const auto best = std::max_element(c.val_dice.begin(), c.val_dice.end()) - c.val_dice.begin();
+  c.best_threshold = c.thresholds[best];
+  c.val_dice_at_best = c.val_dice[best];
+  c.test_dice_at_best = dice_by_threshold(model, test, 0, test_count, batch_size, {c.best_threshold})[0];
+  c.val_examples = val_count;
+  c.test_examples = test_count;
+  return c;
+}
+
 ThresholdBaseline threshold_baseline(const data::DigitSegmentation& tune, int64_t tune_count,
                                      const data::DigitSegmentation& test, int64_t count) {
   if (tune_count < 1 || count < 1) throw std::invalid_argument("threshold_baseline: counts must be positive");
@@ -59,8 +102,7 @@ ThresholdBaseline threshold_baseline(const data::DigitSegmentation& tune, int64_
     return data::dice_per_image(batch.images > t, batch.masks).mean().item<double>();
   };
   double best = -1;
-  for (int k = 1; k <= 19; ++k) {
-    const double t = 0.05 * k;
+  for (const double t : threshold_grid()) {
     b.thresholds.push_back(t);
     b.train_dice.push_back(dice_at(tune_batch, t));
     if (b.train_dice.back() > best) {
@@ -100,7 +142,10 @@ class SegCapsTask : public train::Task {
       return false;
     }
   }
-  nlohmann::json data_config() const override { return {{"canvas", train_.canvas_size()}}; }
+  nlohmann::json data_config() const override {
+    // "val" always: the resume check compares keys present in both (checkpoints from before --val lack it).
+    return {{"canvas", train_.canvas_size()}, {"val", o_.validation_size}};
+  }
   std::string describe() const override {
     return fmt::format("segcaps ({}x{} generated images)", o_.model.image_size, o_.model.image_size);
   }
@@ -151,10 +196,7 @@ SegCapsTrainResult train_segcaps(const SegCapsTrainOptions& options, const data:
                                             train_set.canvas_size(), options.model.image_size));
   SegCapsTask task(options, train_set, test_set);
   auto r = train::run(task, options.loop, log, std::move(group));
-  SegCapsTrainResult result{train::RunStats::of(r)};
-  result.model = task.model_;
-  result.test = task.last_;
-  return result;
+  return SegCapsTrainResult{train::RunStats::of(r), task.model_, task.last_};
 }
 
 torch::Tensor segcaps_figure(models::SegCaps& model, const data::DigitSegmentation& set, int64_t first_n, int64_t rows,

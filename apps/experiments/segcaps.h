@@ -38,6 +38,9 @@ struct SegCapsTrainOptions {
   int64_t test_size = 500;
   int64_t eval_batch_size = 50;
   double threshold = 0.5;  // predicted mask = |v| > threshold
+  /// Training digits the caller held out for validation (0 = none). Only recorded: in the checkpoint's data
+  /// config, so that resuming with another split is refused.
+  int64_t validation_size = 0;
   bool fused_routing = true;  // false: the composite ATen routing path (same math)
 
   /// Throws std::invalid_argument naming the bad field.
@@ -55,6 +58,27 @@ struct SegmentationEval {
 /// Evaluates examples first_n .. first_n + count - 1 (no grad, eval mode).
 SegmentationEval evaluate_segcaps(models::SegCaps& model, const data::DigitSegmentation& set, int64_t first_n,
                                   int64_t count, int64_t batch_size, double threshold);
+
+/// The threshold grid of the thresholding baseline and of the validation choice: 0.05, 0.10, ..., 0.95.
+std::vector<double> threshold_grid();
+
+/// Mean Dice of (|v| > t) for every t of `thresholds`, on examples first_n .. first_n + count - 1 (one
+/// forward pass per batch; no grad, eval mode). Element k equals evaluate_segcaps(..., thresholds[k]).mean_dice.
+std::vector<double> dice_by_threshold(models::SegCaps& model, const data::DigitSegmentation& set, int64_t first_n,
+                                      int64_t count, int64_t batch_size, const std::vector<double>& thresholds);
+
+/// The capsule-length threshold chosen on held-out validation images (argmax of the validation Dice over
+/// threshold_grid(); the first of equals), and the test Dice at it.
+struct ValidatedThreshold {
+  std::vector<double> thresholds, val_dice;  // the grid and the mean validation Dice at each threshold
+  double best_threshold = 0.5;
+  double val_dice_at_best = 0, test_dice_at_best = 0;
+  int64_t val_examples = 0, test_examples = 0;
+};
+
+/// Chooses the threshold on `val_count` examples of `val` and scores it on `test_count` examples of `test`.
+ValidatedThreshold choose_threshold(models::SegCaps& model, const data::DigitSegmentation& val, int64_t val_count,
+                                    const data::DigitSegmentation& test, int64_t test_count, int64_t batch_size);
 
 /// Thresholding baseline: predicted mask = input > t, Dice averaged over images.
 struct ThresholdBaseline {

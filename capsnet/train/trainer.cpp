@@ -61,13 +61,9 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
   if (options.validation_size > 0)
     task.set_validation(loss_evaluator(val, "val", options.eval_batch_size, &last_validation));
   auto r = run(task, options.loop, log, std::move(group));
-  TrainResult result{RunStats::of(r)};
-  result.start_step = r.start_step;
-  result.test = std::move(last_test);
-  result.validation = std::move(last_validation);
-  result.best_validation_accuracy = r.best_validation_accuracy;
-  result.best_validation_step = r.best_validation_step;
-  return result;
+  return TrainResult{
+      RunStats::of(r),       r.start_step, std::move(last_test), std::move(last_validation), r.best_validation_accuracy,
+      r.best_validation_step};
 }
 
 }  // namespace capsnet::train

@@ -353,6 +353,20 @@ TEST(CapsPix2pixTrain, LoopTrainsResumesExactlyAndEvaluates) {
   auto a = straight.model->parameters(), b = resumed.model->parameters();
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-6, 1e-7)) << "parameter " << i;
+  // The mode-seeking weight is part of the run: resuming the λ = 0 run with the term is refused.
+  {
+    auto other = o;
+    other.mode_seeking = 0.5;
+    other.loop.out_dir = dir / "other";
+    try {
+      capsnet::experiments::train_pix2pix(other, train_set, test_set, log);
+      ADD_FAILURE() << "resumed with another --mode-seeking";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("option mode_seeking is 0.0 in the checkpoint but 0.5 now"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   // The checkpoint loads back into a model that generates the same images.
   auto loaded = capsnet::experiments::load_pix2pix(capsnet::train::checkpoint_path(o.loop.out_dir));
   auto batch = test_set.generate(0, 2);

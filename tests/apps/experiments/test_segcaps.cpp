@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -561,6 +562,55 @@ TEST(SegCapsLoss, ConfigKeysOldConfigsAndBadValues) {
   expect_invalid([&] { bad.validate(); }, "recon_weight");
 }
 
+// ---- evaluation ---------------------------------------------------------------------------------
+
+// The threshold sweep equals the single-threshold evaluation at every threshold, and the validation choice
+// is the argmax of its own sweep, scored on the test images at that threshold.
+TEST(SegCapsEval, ThresholdSweepMatchesSingleEvaluationsAndTheChoiceIsTheValidationArgmax) {
+  ScopedThreads one(1);
+  torch::manual_seed(3);
+  auto config = capsnet::testing::tiny_segcaps_config(28);
+  capsnet::models::SegCaps model(config);
+  capsnet::data::DigitSegmentationOptions d;
+  d.canvas = 28;
+  auto digits = [](int64_t n, uint64_t seed) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
+    auto images = torch::randint(0, 256, {n, 28, 28}, g, torch::kUInt8);
+    images.narrow(1, 0, 6).zero_();  // a border, so that the masks do not cover the whole digit square
+    return capsnet::data::ImageSet{images, torch::arange(n) % 10};
+  };
+  const capsnet::data::DigitSegmentation val(digits(6, 1), 11, d), test(digits(6, 2), 12, d);
+  const auto grid = capsnet::experiments::threshold_grid();
+  ASSERT_EQ(grid.size(), 19u);
+  EXPECT_DOUBLE_EQ(grid.front(), 0.05);
+  EXPECT_DOUBLE_EQ(grid.back(), 0.95);
+
+  // 5 images in batches of 2 (a short last batch), three thresholds.
+  const std::vector<double> ts = {0.2, 0.5, 0.8};
+  const auto sweep = capsnet::experiments::dice_by_threshold(model, val, 1, 5, 2, ts);
+  ASSERT_EQ(sweep.size(), ts.size());
+  for (size_t k = 0; k < ts.size(); ++k)
+    EXPECT_NEAR(sweep[k], capsnet::experiments::evaluate_segcaps(model, val, 1, 5, 5, ts[k]).mean_dice, 1e-12) << ts[k];
+
+  const auto c = capsnet::experiments::choose_threshold(model, val, 5, test, 4, 3);
+  ASSERT_EQ(c.thresholds, grid);
+  const auto whole = capsnet::experiments::dice_by_threshold(model, val, 0, 5, 5, grid);
+  ASSERT_EQ(c.val_dice.size(), grid.size());
+  for (size_t k = 0; k < grid.size(); ++k) EXPECT_NEAR(c.val_dice[k], whole[k], 1e-12) << grid[k];
+  const auto best = std::max_element(whole.begin(), whole.end()) - whole.begin();
+  EXPECT_DOUBLE_EQ(c.best_threshold, grid[best]);
+  EXPECT_DOUBLE_EQ(c.val_dice_at_best, c.val_dice[best]);
+  EXPECT_NEAR(c.test_dice_at_best,
+              capsnet::experiments::evaluate_segcaps(model, test, 0, 4, 4, c.best_threshold).mean_dice, 1e-12);
+  EXPECT_EQ(c.val_examples, 5);
+  EXPECT_EQ(c.test_examples, 4);
+  // The sweep is not flat on this model (else the argmax would not be tested).
+  EXPECT_GT(*std::max_element(whole.begin(), whole.end()) - *std::min_element(whole.begin(), whole.end()), 0.01);
+  EXPECT_TRUE(model->is_training());  // evaluation restores the mode
+  expect_invalid([&] { capsnet::experiments::dice_by_threshold(model, val, 0, 0, 2, ts); }, "non-empty");
+  expect_invalid([&] { capsnet::experiments::dice_by_threshold(model, val, 0, 2, 2, {}); }, "non-empty");
+}
+
 // ---- CLI ----------------------------------------------------------------------------------------
 
 TEST(SegCapsCli, TrainsEvaluatesAndWritesOutputs) {
@@ -647,6 +697,45 @@ TEST(SegCapsCli, DatasetClassWeightIsMeasuredOnceOnTheTrainingImages) {
   EXPECT_EQ(train_records, 2);
 }
 
+// --val N holds out the last N training digits: N validation images choose the threshold, the JSON records
+// the sweep and the test Dice at the chosen threshold, and a resume with another split is refused.
+TEST(SegCapsCli, ValidationSplitChoosesTheThreshold) {
+  const capsnet::testing::CliFolder run;
+  capsnet::testing::write_fake_mnist(run.data, 40, 20);
+  const std::string base =
+      "--batch-size 2 --test-size 4 --canvas 28 --types 2 --stem-channels 4 --figure-rows 0 --seed 4";
+  const std::string common = "--steps 2 " + base;
+  auto r = run.run("segcaps", common + " --val 6");
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::ifstream in(run.out + "/segcaps.json");
+  auto j = nlohmann::json::parse(in);
+  const auto& v = j.at("validation");
+  EXPECT_EQ(v["held_out_digits"], 6);
+  EXPECT_EQ(v["examples"], 6);
+  EXPECT_EQ(v["seed"], 1002);  // --test-seed 1001 + 1
+  ASSERT_EQ(v["thresholds"].size(), 19u);
+  ASSERT_EQ(v["dice"].size(), 19u);
+  const auto dice = v["dice"].get<std::vector<double>>();
+  const auto best = std::max_element(dice.begin(), dice.end()) - dice.begin();
+  EXPECT_DOUBLE_EQ(v["best_threshold"].get<double>(), v["thresholds"][best].get<double>());
+  EXPECT_DOUBLE_EQ(v["val_dice_at_best"].get<double>(), dice[best]);
+  EXPECT_GE(v["test_dice_at_best"].get<double>(), 0.0);
+  EXPECT_LE(v["test_dice_at_best"].get<double>(), 1.0);
+  EXPECT_NE(
+      r.output.find(fmt::format("threshold chosen on 6 validation images: {:.2f}", v["best_threshold"].get<double>())),
+      std::string::npos)
+      << r.output;
+  // Without --val there is no validation block.
+  auto plain = run.run_to(run.out + "/plain", "segcaps", common);
+  ASSERT_EQ(plain.status, 0) << plain.output;
+  std::ifstream in2(run.out + "/plain/segcaps.json");
+  EXPECT_FALSE(nlohmann::json::parse(in2).contains("validation"));
+  // The split is part of the run: resuming with another one is refused.
+  EXPECT_TRUE(FailsSaying(run.run("segcaps", base + " --steps 3 --resume " + run.out + "/checkpoint.pt"),
+                          "option val is 6 in the checkpoint but 0 now"));
+  EXPECT_TRUE(FailsSaying(run.run("segcaps", common + " --val 40 --overwrite"), "hold-out of 40"));
+}
+
 TEST(SegCapsCli, BadOptions) {
   capsnet::testing::TempDir dir;
   const auto segcaps = [&](const std::string& args) {
@@ -659,5 +748,7 @@ TEST(SegCapsCli, BadOptions) {
     EXPECT_TRUE(FailsSaying(segcaps("--pos-weight " + bad), "--pos-weight must be 'auto', 'dataset' or a number"))
         << bad;
   EXPECT_TRUE(FailsSaying(segcaps("--recon-weight -1"), "--recon-weight"));
+  EXPECT_TRUE(FailsSaying(segcaps("--val -3"), "--val"));
+  EXPECT_TRUE(FailsSaying(segcaps("--val 1"), "--val must be 0 or at least 2"));
   EXPECT_TRUE(FailsSaying(segcaps("--steps 1 --data " + (dir / "missing")), "missing"));
 }
