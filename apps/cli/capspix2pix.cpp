@@ -55,6 +55,10 @@ void add_capspix2pix_model_flags(CLI::App* app, Pix2pixFlags* f) {
       ->capture_default_str();
   app->add_option("--recon-weight", f->o.model.l1_weight, "Weight lambda of the L1 term (pix2pix: 100)")
       ->capture_default_str();
+  app->add_option("--cnn-channels", f->o.model.cnn_channels,
+                  "Channels F of the pix2pix U-net generator's first level (levels F, 2F, 4F, 4F; --generator cnn): "
+                  "32 = 1,023,873 parameters; 9 = 82,621, the nearest to the capsule generator's 74,977")
+      ->capture_default_str();
   app->add_option("--mode-seeking", f->o.mode_seeking,
                   "Weight of MSGAN's mode-seeking term in the generator's loss (Mao et al. 2019; they use 1): rewards "
                   "different images for different z on the same map (0 = off, pix2pix's loss)")

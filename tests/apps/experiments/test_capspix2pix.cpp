@@ -564,7 +564,9 @@ TEST(CapsPix2pixCli, TrainsBothGeneratorsAndDrawsThemSideBySide) {
   const std::string common = " --data " + (dir / "data") +
                              " --steps 2 --batch-size 2 --test-size 3 --figure-rows 2 --log-every 1 --no-progress "
                              "--threads 1";
-  auto r = capsnet::testing::run_command(kCli + " capspix2pix --generator cnn --out " + (dir / "cnn") + common);
+  // The pix2pix generator narrowed to about the capsule generator's size (the matched-parameter row).
+  auto r = capsnet::testing::run_command(kCli + " capspix2pix --generator cnn --cnn-channels 9 --out " + (dir / "cnn") +
+                                         common);
   ASSERT_EQ(r.status, 0) << r.output;
   // A small CapsNet on the same 28 x 28 source images scores label consistency (maps are 32 x 32).
   r = capsnet::testing::run_command(kCli + " train --data " + (dir / "data") + " --out " + (dir / "classifier") +
@@ -612,13 +614,23 @@ TEST(CapsPix2pixCli, TrainsBothGeneratorsAndDrawsThemSideBySide) {
   // One model alone: its captions name it once, with no empty column.
   auto cnn = nlohmann::json::parse(std::ifstream(dir / "cnn/capspix2pix.json"));
   EXPECT_EQ(cnn["mode_seeking"], 0.0);
+  EXPECT_EQ(cnn["model"]["cnn_channels"], 9);
+  {
+    capsnet::models::Pix2pixConfig narrow;  // the command's defaults, 9 channels
+    narrow.generator = "cnn";
+    narrow.cnn_channels = 9;
+    int64_t n = 0;
+    for (const auto& p : capsnet::models::Pix2pix(narrow)->generator_parameters()) n += p.numel();
+    EXPECT_EQ(cnn["generator_parameters"].get<int64_t>(), n);
+    EXPECT_EQ(n, 82621);  // the number --help quotes
+  }
   EXPECT_NE(cnn["figures"]["capspix2pix_compare.png"].get<std::string>().find("label | pix2pix | real"),
             std::string::npos);
   EXPECT_NE(cnn["figures"]["capspix2pix_variations.png"].get<std::string>().find("(pix2pix):"), std::string::npos);
   // Bad values are refused before any work.
   r = capsnet::testing::run_command(kCli + " capspix2pix --generator gan --out " + (dir / "x"));
   EXPECT_NE(r.status, 0);
-  for (const std::string flag : {"--recon-weight=-1", "--mode-seeking=-1"})
+  for (const std::string flag : {"--recon-weight=-1", "--mode-seeking=-1", "--cnn-channels=0"})
     EXPECT_TRUE(capsnet::testing::FailsSaying(
         capsnet::testing::run_cli("capspix2pix " + flag + " --out " + (dir / "x")), "out of range"))
         << flag;
