@@ -24,6 +24,7 @@
 #include "capsnet/train/trainer.h"
 #include "capsnet/train/zip_bounds.h"
 #include "apps/report.h"
+#include "cli_helpers.h"
 #include "test_helpers.h"
 
 namespace capsnet {
@@ -712,6 +713,25 @@ TEST_F(ReliabilityCli, NumericFlagsOutsideTheirDocumentedRangeAreRefusedBeforeUs
     expect_contains(r.output, "out of range");
     EXPECT_FALSE(fs::exists(never)) << command << " wrote into --out";
   }
+}
+
+// docs/reliability.md prints the ranges: its table is exactly what `capsnet help limits` prints now.
+TEST(Reliability, TheDocumentedRangeTableIsTheOneTheToolPrints) {
+  auto r = capsnet::testing::run_cli("help limits");
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::ifstream doc(std::string(CAPSNET_SOURCE_DIR) + "/docs/reliability.md");
+  ASSERT_TRUE(doc.good());
+  std::string documented, line;
+  bool in_table = false;
+  while (std::getline(doc, line)) {
+    if (line == "| flag | range | kind |") in_table = true;
+    if (in_table && line.rfind("|", 0) != 0) break;
+    if (in_table) documented += line + "\n";
+  }
+  ASSERT_FALSE(documented.empty()) << "no range table in docs/reliability.md";
+  EXPECT_NE(r.output.find(documented), std::string::npos)
+      << "docs/reliability.md's table differs from `capsnet help limits`; paste the command's output:\n"
+      << r.output;
 }
 
 TEST_F(ReliabilityCli, AblationKeepsAnEarlierRunWithOtherSettingsUnlessToldToOverwrite) {
