@@ -6,7 +6,8 @@ Usage: robustness_figure.py OUT.svg RUN/affine.json [RUN2/affine.json ...]
 One panel per warp family (rotation, shear, scale; "translation only" is every panel's first point at
 severity 0; the two combined settings are a fourth panel at x = 1 and 2). One line per model: the mean
 over the runs given (e.g. seeds), with a bar from the lowest to the highest run where there are several.
-Prints the table it draws (mean, and min-max over the runs).
+Prints the table it draws (mean, and min-max over the runs); with exactly two models also the difference of
+their means and whether it is beyond the seed spread (every run of one model above every run of the other).
 """
 import json
 import sys
@@ -34,14 +35,22 @@ def main():
     out, paths = sys.argv[1], sys.argv[2:]
     sets, acc = load(paths)
     models = sorted(acc)
-    print("| set | " + " | ".join(models) + " |")
-    print("|---|" + "---:|" * len(models))
+    pair = len(models) == 2  # two models: their difference, and whether it is beyond the seed spread
+    extra = [f"{models[0]} − {models[1]}", "beyond the seed spread"] if pair else []
+    print("| set | " + " | ".join(models + extra) + " |")
+    print("|---|" + "---:|" * len(models + extra))
     for s in sets:
         cells = []
         for m in models:
             v = acc[m][s["name"]]
             mean = sum(v) / len(v)
             cells.append(f"{mean:.2f}%" + (f" ({min(v):.2f}–{max(v):.2f})" if len(v) > 1 else ""))
+        if pair:
+            a, b = acc[models[0]][s["name"]], acc[models[1]][s["name"]]
+            cells.append(f"{sum(a) / len(a) - sum(b) / len(b):+.2f}")
+            # Every run of one model above every run of the other (needs two runs of each to mean anything).
+            separated = min(a) > max(b) or min(b) > max(a)
+            cells.append(("yes" if separated else "no") if len(a) > 1 and len(b) > 1 else "one run")
         print(f"| {s['name']} | " + " | ".join(cells) + " |")
 
     ys = [a for m in acc.values() for v in m.values() for a in v]
