@@ -47,6 +47,18 @@ void add_capspix2pix_training_flags(CLI::App* app, Pix2pixFlags* f) {
   app->add_option("--test-size", f->o.test_size, "Held-out maps to score")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app->add_option("--val", f->o.validation_size,
+                  "Hold out the last N training images (not trained on): their maps (seed --test-seed + 1) are "
+                  "scored by L1 at every --eval-every steps and at the end, the lowest is kept as best.pt and the "
+                  "test maps are scored with it (0 = no validation: the last model is scored)")
+      ->capture_default_str();
+  app->add_option("--eval-every", f->o.loop.eval_every,
+                  "Steps between evaluations (validation and test, each an \"eval\" record; 0 = at the end only)")
+      ->capture_default_str();
+  app->add_option("--patience", f->o.loop.patience_steps,
+                  "Stop when the best validation L1 is this many steps old (needs --val and --eval-every; 0 = "
+                  "train all --steps)")
+      ->capture_default_str();
 }
 
 // The capsule layers and the loss.
@@ -100,6 +112,8 @@ void apply_capspix2pix_flags(Pix2pixFlags* f) {
   o.loop.max_seconds = 60 * f->max_minutes;
   o.fused_routing = !f->composite_routing;
   o.model.image_size = f->maps.size;
+  if (o.loop.patience_steps > 0 && (o.validation_size == 0 || o.loop.eval_every == 0))
+    throw std::invalid_argument("--patience needs --val N (the maps it watches) and --eval-every S (how often)");
   o.validate();  // before loading the data
 }
 
@@ -152,7 +166,16 @@ nlohmann::json capspix2pix_summary(const Pix2pixFlags* f, const experiments::Pix
          "11x11 Gaussian window (sigma 1.5), mean over the map; all averaged over the test maps, z fixed "
          "by eval_seed; diversity = mean pairwise L1 of diversity_samples images of one map (different "
          "z), averaged over diversity_maps maps"}}},
-      {"model_file", train::checkpoint_path(o.loop.out_dir)}};
+      {"model_file", train::checkpoint_path(o.loop.out_dir)},
+      {"scored_checkpoint", result.scored_checkpoint}};
+  if (result.best_validation_l1)
+    summary["validation"] = {{"maps", o.validation_size},
+                             {"seed", f->test_seed + 1},
+                             {"rule", "the lowest validation L1 (z fixed by eval_seed) over the evaluations"},
+                             {"eval_every", o.loop.eval_every},
+                             {"patience_steps", o.loop.patience_steps},
+                             {"best_step", result.best_validation_step},
+                             {"best_l1", *result.best_validation_l1}};
 
   if (consistency)
     summary["test"]["label_consistency"] = {
@@ -208,10 +231,18 @@ int run_capspix2pix(const std::shared_ptr<Pix2pixFlags>& f, const std::shared_pt
   if (!f->compare_with.empty()) other = experiments::load_pix2pix(f->compare_with);  // fail before training
   std::optional<models::CapsNet> classifier;
   if (!f->classifier.empty()) classifier = train::load_model(f->classifier);
-  data::LabelMaps train_set(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.loop.seed, f->maps);
+  // The validation split: the last --val training images, never trained on.
+  const auto [train_images, val_images] =
+      data::split_tail(data::load_mnist(f->data.resolved(), data::Split::kTrain), o.validation_size);
+  data::LabelMaps train_set(train_images, o.loop.seed, f->maps);
   data::LabelMaps test_set(data::load_mnist(f->data.resolved(), data::Split::kTest), f->test_seed, f->maps);
+  std::optional<data::LabelMaps> val_set;
+  if (o.validation_size > 0) val_set.emplace(val_images, f->test_seed + 1, f->maps);
 
-  auto result = experiments::train_pix2pix(o, train_set, test_set, std::cout);
+  auto result = experiments::train_pix2pix(o, train_set, test_set, std::cout, val_set ? &*val_set : nullptr);
+  if (result.best_validation_l1)
+    std::cout << fmt::format("scored with the best-validation checkpoint {} (step {}, validation L1 {:.4f})\n",
+                             result.scored_checkpoint, result.best_validation_step, *result.best_validation_l1);
   auto& model = result.model;
   const auto& t = result.test;
   std::cout << fmt::format(

@@ -37,7 +37,7 @@ struct ScoredModel {
 };
 
 ScoredModel load_scored_model(const std::string& path, Precision precision) {
-  ScoredModel m{train::load_any_model(path)};
+  ScoredModel m{train::load_any_model(path), "", nullptr};
   m.net.set_precision(precision);
   std::visit(
       [&m](auto model) {

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <stdexcept>
 
 #include "capsnet/train/checkpoint.h"
@@ -32,6 +33,10 @@ void Pix2pixTrainOptions::validate() const {
     throw std::invalid_argument(
         fmt::format("capspix2pix: mode_seeking needs noise (z_dim > 0, got {}) and batches of >= 2 maps (got {})",
                     model.z_dim, loop.batch_size));
+  if (validation_size < 0)
+    throw std::invalid_argument(fmt::format("capspix2pix: validation_size must be >= 0, got {}", validation_size));
+  if (loop.patience_steps > 0 && validation_size == 0)
+    throw std::invalid_argument("capspix2pix: patience_steps needs a validation set (validation_size > 0)");
   loop.validate();
 }
 
@@ -119,7 +124,7 @@ Pix2pixEval evaluate_pix2pix(models::Pix2pix& model, const data::LabelMaps& set,
   r.l1 = l1 / static_cast<double>(count);
   r.psnr = psnr / static_cast<double>(count);
   r.ssim = ssim / static_cast<double>(count);
-  r.diversity = diversity / static_cast<double>(diversity_maps);
+  r.diversity = diversity_maps > 0 ? diversity / static_cast<double>(diversity_maps) : 0.0;
   r.seconds = train::seconds_since(t0);
   return r;
 }
@@ -216,8 +221,9 @@ namespace {
 /// z drawn from the step's own generator (so a resume replays it), a D then a G update per step.
 class Pix2pixTask : public train::Task {
  public:
-  Pix2pixTask(const Pix2pixTrainOptions& o, const data::LabelMaps& train_set, const data::LabelMaps& test_set)
-      : o_(o), train_(train_set), test_(test_set) {}
+  Pix2pixTask(const Pix2pixTrainOptions& o, const data::LabelMaps& train_set, const data::LabelMaps& test_set,
+              const data::LabelMaps* validation)
+      : o_(o), train_(train_set), test_(test_set), val_(validation) {}
 
   std::string name() const override { return "capspix2pix"; }
   std::shared_ptr<torch::nn::Module> build_model(Precision precision) override {
@@ -241,7 +247,8 @@ class Pix2pixTask : public train::Task {
                         {"beta1", o_.beta1},
                         // Always written: the resume check compares keys present in both (older checkpoints
                         // lack it), so a run with the term cannot continue as one without it or vice versa.
-                        {"mode_seeking", o_.mode_seeking}};
+                        {"mode_seeking", o_.mode_seeking},
+                        {"val", o_.validation_size}};
     return j;
   }
   std::string describe() const override {
@@ -285,6 +292,20 @@ class Pix2pixTask : public train::Task {
                                   last_.psnr, last_.ssim, last_.diversity, last_.examples)};
   }
 
+  // The validation L1 is the record's "loss": the loop keeps the lowest as best.pt. No diversity (it
+  // does not choose anything here).
+  std::optional<train::Evaluation> evaluate_validation(std::ostream*) override {
+    if (o_.validation_size == 0) return std::nullopt;
+    const auto v = evaluate_pix2pix(model_, *val_, o_.validation_size, o_.eval_batch_size, o_.eval_seed, 0, 2);
+    return train::Evaluation{{{"loss", v.l1},
+                              {"l1", v.l1},
+                              {"psnr", v.psnr},
+                              {"ssim", v.ssim},
+                              {"examples", v.examples},
+                              {"seconds", v.seconds}},
+                             fmt::format("validation L1 {:.4f} ({} maps)", v.l1, v.examples)};
+  }
+
   models::Pix2pix model_{nullptr};
   Pix2pixEval last_;
 
@@ -297,23 +318,42 @@ class Pix2pixTask : public train::Task {
   const Pix2pixTrainOptions& o_;
   const data::LabelMaps& train_;
   const data::LabelMaps& test_;
+  const data::LabelMaps* val_;
 };
 
 }  // namespace
 
 Pix2pixTrainResult train_pix2pix(const Pix2pixTrainOptions& options, const data::LabelMaps& train_set,
-                                 const data::LabelMaps& test_set, std::ostream& log) {
+                                 const data::LabelMaps& test_set, std::ostream& log,
+                                 const data::LabelMaps* validation) {
   options.validate();
-  if (train_set.size() != options.model.image_size || test_set.size() != options.model.image_size)
-    throw std::invalid_argument(fmt::format("capspix2pix: the map size ({}) must equal the model image_size ({})",
-                                            train_set.size(), options.model.image_size));
-  Pix2pixTask task(options, train_set, test_set);
+  if (options.validation_size > 0 && !validation)
+    throw std::invalid_argument("capspix2pix: validation_size > 0 needs a validation set");
+  for (const auto* set : {&train_set, &test_set, validation})
+    if (set && set->size() != options.model.image_size)
+      throw std::invalid_argument(fmt::format("capspix2pix: the map size ({}) must equal the model image_size ({})",
+                                              set->size(), options.model.image_size));
+  Pix2pixTask task(options, train_set, test_set, validation);
   auto r = train::run(task, options.loop, log);
+  const auto score = [&](models::Pix2pix& m) {
+    return evaluate_pix2pix(m, test_set, options.test_size, options.eval_batch_size, options.eval_seed,
+                            options.diversity_maps, options.diversity_samples);
+  };
+  const auto best = train::best_checkpoint_path(options.loop.out_dir);
+  if (options.validation_size > 0 && r.best_validation_loss && std::filesystem::exists(best)) {
+    // Every choice on validation: the test maps score the best-validation checkpoint.
+    auto model = load_pix2pix(best);
+    if (model->caps) model->caps->set_fused_routing(options.fused_routing);
+    model->set_precision(options.loop.precision);
+    auto test = score(model);
+    const int64_t step = r.best_validation_step;
+    const double l1 = *r.best_validation_loss;
+    return Pix2pixTrainResult{train::RunStats::of(r), model, std::move(test), best, step, l1};
+  }
   // A resume of a finished run trains no step and so never evaluates: do it here.
-  auto test = r.evaluation ? task.last_
-                           : evaluate_pix2pix(task.model_, test_set, options.test_size, options.eval_batch_size,
-                                              options.eval_seed, options.diversity_maps, options.diversity_samples);
-  return Pix2pixTrainResult{train::RunStats::of(r), task.model_, std::move(test)};
+  auto test = r.evaluation ? task.last_ : score(task.model_);
+  auto checkpoint = r.checkpoint;
+  return Pix2pixTrainResult{train::RunStats::of(r), task.model_, std::move(test), checkpoint, 0, std::nullopt};
 }
 
 models::Pix2pix load_pix2pix(const std::string& checkpoint) {

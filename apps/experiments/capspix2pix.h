@@ -47,6 +47,10 @@ struct Pix2pixTrainOptions {
   /// with r = mode_seeking_ratio of two samples per map; 0 = off (pix2pix's loss).
   double mode_seeking = 0;
   bool fused_routing = true;
+  /// Maps of the validation set passed to train_pix2pix (0 = none). With it the loop validates (the L1 of
+  /// these maps, z fixed by eval_seed) at every loop.eval_every steps and at the end, keeps the lowest as
+  /// best.pt, stops early by loop.patience_steps, and the test maps are scored with best.pt.
+  int64_t validation_size = 0;
 
   /// Throws std::invalid_argument naming the bad field.
   void validate() const;
@@ -94,13 +98,18 @@ torch::Tensor classify_resized(models::CapsNet& classifier, const torch::Tensor&
 
 /// The run's statistics (losses: the generator loss of every step) and:
 struct Pix2pixTrainResult : train::RunStats {
-  models::Pix2pix model{nullptr};
+  models::Pix2pix model{nullptr};  // the scored model: best.pt's with a validation set, else the last
   Pix2pixEval test;
+  std::string scored_checkpoint;     // best.pt, or the last checkpoint
+  int64_t best_validation_step = 0;  // with a validation set: best.pt's step and validation L1
+  std::optional<double> best_validation_l1;
 };
 
 /// Trains on the one loop (metrics.jsonl, checkpoint.pt, exact resume, NaN guard), evaluates at the end.
+/// `validation` (maps 0 .. options.validation_size - 1 are used) is required when validation_size > 0.
 Pix2pixTrainResult train_pix2pix(const Pix2pixTrainOptions& options, const data::LabelMaps& train_set,
-                                 const data::LabelMaps& test_set, std::ostream& log);
+                                 const data::LabelMaps& test_set, std::ostream& log,
+                                 const data::LabelMaps* validation = nullptr);
 
 /// One optimizer for both networks: group 0 = generator, group 1 = discriminator, Adam(lr, (beta1, 0.999)).
 std::unique_ptr<torch::optim::Adam> make_pix2pix_optimizer(models::Pix2pix& model, double lr, double beta1);

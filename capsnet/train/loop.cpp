@@ -77,28 +77,46 @@ struct Schedule {
 
 /// The best epoch-end validation of a run: highest accuracy, ties broken by the lower loss (the first
 /// such epoch wins an exact tie). Travels in every checkpoint's options, so a resume keeps it.
+/// The best validation so far. Records with an "accuracy" compare by it (ties: the lower "loss"); records
+/// with only a "loss" (e.g. a generator's L1) by the lower loss.
 struct BestValidation {
-  std::optional<double> accuracy;
+  bool found = false;
+  std::optional<double> accuracy;  // absent: a loss-only validation
   double loss = 0;
   int64_t step = 0;
 
-  static double number(const nlohmann::json& record, const char* key, double otherwise) {
+  static std::optional<double> number(const nlohmann::json& record, const char* key) {
     const auto it = record.find(key);
-    return it != record.end() && it->is_number() ? it->get<double>() : otherwise;
+    if (it != record.end() && it->is_number()) return it->get<double>();
+    return std::nullopt;
   }
   /// Takes `e` when it beats the best so far; returns whether it did.
   bool offer(const Evaluation& e, int64_t at_step) {
-    const double acc = number(e.record, "accuracy", -1), l = number(e.record, "loss", 0);
-    if (acc < 0) return false;
-    if (accuracy && (acc < *accuracy || (acc == *accuracy && l >= loss))) return false;
+    auto acc = number(e.record, "accuracy");
+    if (acc && *acc < 0) acc.reset();
+    const auto l = number(e.record, "loss");
+    if (!acc && !l) return false;  // nothing to compare
+    if (found) {
+      if (acc && accuracy) {
+        if (*acc < *accuracy || (*acc == *accuracy && l.value_or(0) >= loss)) return false;
+      } else if (!acc && !accuracy) {
+        if (!(*l < loss)) return false;
+      } else {
+        return false;  // a record of the other kind: the first kind stays the rule
+      }
+    }
+    found = true;
     accuracy = acc;
-    loss = l;
+    loss = l.value_or(0);
     step = at_step;
     return true;
   }
   /// `options` with this record under "best_validation" (absent while there is none).
   nlohmann::json into(nlohmann::json options) const {
-    if (accuracy) options["best_validation"] = {{"accuracy", *accuracy}, {"loss", loss}, {"step", step}};
+    if (!found) return options;
+    nlohmann::json j = {{"loss", loss}, {"step", step}};
+    if (accuracy) j["accuracy"] = *accuracy;
+    options["best_validation"] = j;
     return options;
   }
   static BestValidation from_json(const nlohmann::json& options) {
@@ -106,10 +124,12 @@ struct BestValidation {
     if (!options.is_object() || !options.contains("best_validation")) return b;
     const auto& j = options["best_validation"];
     if (!j.is_object()) return b;
-    b.accuracy = number(j, "accuracy", -1);
-    if (*b.accuracy < 0) b.accuracy.reset();
-    b.loss = number(j, "loss", 0);
-    b.step = static_cast<int64_t>(number(j, "step", 0));
+    b.accuracy = number(j, "accuracy");
+    if (b.accuracy && *b.accuracy < 0) b.accuracy.reset();
+    const auto l = number(j, "loss");
+    b.found = b.accuracy || l;
+    b.loss = l.value_or(0);
+    b.step = static_cast<int64_t>(number(j, "step").value_or(0));
     return b;
   }
 };
@@ -219,6 +239,7 @@ void LoopOptions::validate() const {
   if (target_accuracy > 0 && !evaluate_each_epoch)
     fail("target_accuracy needs evaluate_each_epoch: the target is checked at every epoch's evaluation");
   if (eval_every < 0) fail(fmt::format("eval_every must be >= 0 (0 = only at epoch ends), got {}", eval_every));
+  if (patience_steps < 0) fail(fmt::format("patience_steps must be >= 0 (0 = no early stop), got {}", patience_steps));
   if (out_dir.empty()) fail("out_dir must not be empty");
 }
 
@@ -237,6 +258,7 @@ nlohmann::json LoopOptions::to_json() const {
           {"out_dir", out_dir}};
   if (target_accuracy > 0) j["target_accuracy"] = target_accuracy;
   if (eval_every > 0) j["eval_every"] = eval_every;
+  if (patience_steps > 0) j["patience_steps"] = patience_steps;
   return j;
 }
 
@@ -509,25 +531,34 @@ class LoopRun {
 
   /// Evaluations, checkpoint, best.pt and the epoch's line after step_.
   void after_step(int64_t epoch, bool epoch_end, bool last, double img_s) {
-    const bool epoch_evaluates = epoch_end && (options_.evaluate_each_epoch || last);
-    // The validation comes before the epoch's checkpoint, so that the checkpoint records the best so far
-    // and best.pt can be a copy of it.
+    bool epoch_evaluates = epoch_end && (options_.evaluate_each_epoch || last);
+    const bool mid_point = options_.eval_every > 0 && step_ % options_.eval_every == 0 && !epoch_evaluates;
+    // The validation comes before the checkpoint, so that the checkpoint records the best so far and
+    // best.pt can be a copy of it. Validations run at the epoch ends that evaluate and at the eval_every
+    // points; a new best at a mid-epoch point is saved there.
     bool new_best = false;
-    if (lead_ && epoch_evaluates) {
-      result_.validation = evaluate_split("val");
-      if (result_.validation) new_best = best_.offer(*result_.validation, step_);
+    if (lead_ && (epoch_evaluates || mid_point)) {
+      auto v = evaluate_split("val");
+      if (v) new_best = best_.offer(*v, step_);
+      if (v || epoch_evaluates) result_.validation = std::move(v);
     }
-    if ((options_.checkpoint_every > 0 && step_ % options_.checkpoint_every == 0) || epoch_end) save();
+    if (epoch_evaluates || mid_point) check_patience();
+    if (result_.patience_spent && !epoch_end) {
+      // The run ends here: save, evaluate and report as at a last step.
+      epoch_end = true;
+      epoch_evaluates = true;
+    }
+    if ((options_.checkpoint_every > 0 && step_ % options_.checkpoint_every == 0) || epoch_end || new_best) save();
     if (lead_ && new_best) {
       copy_file_atomically(ckpt_, best_checkpoint_path(options_.out_dir));
       metrics_.write({{"event", "best"},
                       {"step", step_},
                       {"epoch", schedule_.epochs_done(step_)},
-                      {"val_accuracy", best_.accuracy.value_or(0)},
+                      {best_.accuracy ? "val_accuracy" : "val_loss", best_.accuracy.value_or(best_.loss)},
                       {"path", best_checkpoint_path(options_.out_dir)}});
     }
     // A mid-epoch learning-curve point; an epoch end evaluates below (when it evaluates at all).
-    if (lead_ && options_.eval_every > 0 && step_ % options_.eval_every == 0 && !epoch_evaluates) {
+    if (lead_ && mid_point && !epoch_evaluates) {
       if (auto e = evaluate_split("test")) {
         log_ << fmt::format("step {} (epoch {:.3g}): {}\n", step_, schedule_.epochs_done(step_), e->summary)
              << std::flush;
@@ -551,6 +582,19 @@ class LoopRun {
       metrics_.write(record);
     }
     return e;
+  }
+
+  /// Early stop: the best validation is patience_steps old (or older) at this validation point. Every rank
+  /// reaches the same points and learns rank 0's verdict.
+  void check_patience() {
+    if (options_.patience_steps <= 0) return;
+    bool spent = lead_ && best_.found && step_ - best_.step >= options_.patience_steps && step_ < total_steps_;
+    if (group_) {
+      std::vector<torch::Tensor> flag{torch::tensor({spent ? 1.0 : 0.0}, torch::kFloat64)};
+      group_->allreduce_sum(flag);
+      spent = flag[0].item<double>() > 0;
+    }
+    result_.patience_spent = spent;
   }
 
   bool reached_target(const Evaluation& e) const {
@@ -591,6 +635,12 @@ class LoopRun {
   }
 
   bool should_stop() {
+    if (result_.patience_spent) {
+      log_ << fmt::format(
+          "{}: stopping after step {} of {}: no better validation for {} steps (patience {}; best at step {})\n",
+          task_.label(), step_, total_steps_, step_ - best_.step, options_.patience_steps, best_.step);
+      return true;
+    }
     if (result_.target_reached && step_ < total_steps_) {
       log_ << fmt::format("{}: stopping after step {} of {}: the target accuracy {:.2f}% is reached\n", task_.label(),
                           step_, total_steps_, 100 * options_.target_accuracy);
@@ -639,15 +689,18 @@ class LoopRun {
   LoopResult finish() {
     result_.end_step = step_;
     result_.best_validation_accuracy = best_.accuracy;
+    if (best_.found) result_.best_validation_loss = best_.loss;
     result_.best_validation_step = best_.step;
     result_.seconds = run_seconds_;
     result_.images_per_second = images_per_second();
     nlohmann::json end = {
         {"event", "end"}, {"step", step_}, {"seconds", run_seconds_}, {"images_per_second", result_.images_per_second}};
-    if (best_.accuracy) {
-      end["best_val_accuracy"] = *best_.accuracy;
+    if (best_.found) {
+      if (best_.accuracy) end["best_val_accuracy"] = *best_.accuracy;
+      end["best_val_loss"] = best_.loss;
       end["best_step"] = best_.step;
     }
+    if (options_.patience_steps > 0) end["patience_spent"] = result_.patience_spent;
     if (options_.target_accuracy > 0) {
       end["target_accuracy"] = options_.target_accuracy;
       end["target_reached"] = result_.target_reached;

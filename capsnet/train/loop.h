@@ -109,8 +109,9 @@ class Task {
   /// `progress` (may be null) gets a progress bar.
   virtual std::optional<Evaluation> evaluate(std::ostream* /*progress*/) { return std::nullopt; }
   /// Evaluation on a validation split held out of the training data, run before evaluate() at the same
-  /// points; nullopt when the task has none. Its record's "accuracy" (ties: lower "loss") picks the
-  /// checkpoint the loop keeps as best.pt, and the target accuracy is checked on it instead of the test
+  /// points (and at the eval_every points); nullopt when the task has none. Its record's "accuracy" (ties:
+  /// lower "loss"), or for a record without accuracy its lower "loss", picks the checkpoint the loop keeps
+  /// as best.pt, and the target accuracy is checked on it instead of the test
   /// set: every choice of a run is made on validation, never on test.
   virtual std::optional<Evaluation> evaluate_validation(std::ostream* /*progress*/) { return std::nullopt; }
 };
@@ -155,6 +156,10 @@ struct LoopOptions {
   /// (generated data). 0 = only at epoch ends / the end. Not a resume key. The target accuracy is
   /// still checked at epoch ends only.
   int64_t eval_every = 0;
+  /// > 0: early stopping. At each validation (epoch ends that evaluate, eval_every points) the run stops
+  /// when the best validation is at least this many steps old; the stop is saved, validated and tested
+  /// like a last step. Needs a task with a validation split. Not a resume key.
+  int64_t patience_steps = 0;
 
   /// Throws std::invalid_argument naming the first bad option (by field name).
   void validate() const;
@@ -178,10 +183,12 @@ struct LoopResult {
   /// The best validation so far (this run and, after a resume, the runs before it) and its step;
   /// best.pt holds that step's checkpoint.
   std::optional<double> best_validation_accuracy;
+  std::optional<double> best_validation_loss;  // the best record's "loss" (loss-only validations compare by it)
   int64_t best_validation_step = 0;
   std::string checkpoint;         // the last checkpoint written
   bool out_of_time = false;       // stopped by max_seconds
   bool target_reached = false;    // stopped by target_accuracy
+  bool patience_spent = false;    // stopped by patience_steps
 };
 
 /// What an experiment's result says of its training run (each experiment's TrainResult derives from it).

@@ -375,6 +375,65 @@ TEST(CapsPix2pixTrain, LoopTrainsResumesExactlyAndEvaluates) {
   EXPECT_TRUE(torch::allclose(loaded->generate(batch.one_hot, z), resumed.model->generate(batch.one_hot, z)));
 }
 
+// With a validation set the loop keeps the lowest validation L1 as best.pt and the test maps are scored
+// with it; patience needs a validation set.
+TEST(CapsPix2pixTrain, ValidationKeepsTheLowestL1AndTheTestScoresThatCheckpoint) {
+  capsnet::testing::ScopedThreads one(1);
+  capsnet::testing::TempDir dir;
+  LabelMaps train_set(blob_set(20, 1), 2, maps16()), test_set(blob_set(10, 5), 3, maps16()),
+      val_set(blob_set(10, 6), 4, maps16());
+  capsnet::experiments::Pix2pixTrainOptions o;
+  o.model = tiny("cnn");
+  o.loop.out_dir = dir / "val";
+  o.loop.max_steps = 6;
+  o.loop.batch_size = 3;
+  o.loop.lr = 2e-2;  // large: the validation L1 moves from step to step
+  o.loop.progress = false;
+  o.loop.eval_every = 1;
+  o.test_size = 4;
+  o.eval_batch_size = 2;
+  o.diversity_maps = 2;
+  o.diversity_samples = 3;
+  o.validation_size = 3;
+  std::ostringstream log;
+  EXPECT_THROW(capsnet::experiments::train_pix2pix(o, train_set, test_set, log), std::invalid_argument)
+      << "validation_size without a validation set";
+  auto r = capsnet::experiments::train_pix2pix(o, train_set, test_set, log, &val_set);
+  ASSERT_TRUE(r.best_validation_l1.has_value());
+  EXPECT_EQ(r.scored_checkpoint, capsnet::train::best_checkpoint_path(o.loop.out_dir));
+  // The best is the lowest validation L1 of the six "eval" records of the validation split.
+  std::ifstream metrics(capsnet::train::metrics_path(o.loop.out_dir));
+  double lowest = 1e9;
+  int64_t lowest_step = -1, validations = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    auto rec = nlohmann::json::parse(line);
+    if (rec["event"] != "eval" || rec["split"] != "val") continue;
+    ++validations;
+    EXPECT_EQ(rec["l1"], rec["loss"]);
+    if (rec["loss"].get<double>() < lowest) {
+      lowest = rec["loss"].get<double>();
+      lowest_step = rec["step"].get<int64_t>();
+    }
+  }
+  EXPECT_EQ(validations, 6);
+  EXPECT_EQ(*r.best_validation_l1, lowest);
+  EXPECT_EQ(r.best_validation_step, lowest_step);
+  EXPECT_EQ(capsnet::train::read_checkpoint_meta(r.scored_checkpoint).step, lowest_step);
+  // The reported test scores are best.pt's.
+  auto best = capsnet::experiments::load_pix2pix(r.scored_checkpoint);
+  auto again = capsnet::experiments::evaluate_pix2pix(best, test_set, 4, 2, o.eval_seed, 2, 3);
+  EXPECT_NEAR(r.test.l1, again.l1, 1e-6);
+  EXPECT_NEAR(r.test.diversity, again.diversity, 1e-6);
+
+  auto bad = o;
+  bad.validation_size = 0;
+  bad.loop.patience_steps = 2;
+  EXPECT_THROW(bad.validate(), std::invalid_argument);
+  bad.validation_size = -1;
+  bad.loop.patience_steps = 0;
+  EXPECT_THROW(bad.validate(), std::invalid_argument);
+}
+
 namespace {
 
 /// A task that makes its own updates (as the GAN does) with its own optimizer: records the learning
@@ -565,8 +624,9 @@ TEST(CapsPix2pixCli, TrainsBothGeneratorsAndDrawsThemSideBySide) {
                              " --steps 2 --batch-size 2 --test-size 3 --figure-rows 2 --log-every 1 --no-progress "
                              "--threads 1";
   // The pix2pix generator narrowed to about the capsule generator's size (the matched-parameter row).
-  auto r = capsnet::testing::run_command(kCli + " capspix2pix --generator cnn --cnn-channels 9 --out " + (dir / "cnn") +
-                                         common);
+  // It also holds out 4 training images for validation: the test maps score its best-validation checkpoint.
+  auto r = capsnet::testing::run_command(
+      kCli + " capspix2pix --generator cnn --cnn-channels 9 --val 4 --eval-every 1 --out " + (dir / "cnn") + common);
   ASSERT_EQ(r.status, 0) << r.output;
   // A small CapsNet on the same 28 x 28 source images scores label consistency (maps are 32 x 32).
   r = capsnet::testing::run_command(kCli + " train --data " + (dir / "data") + " --out " + (dir / "classifier") +
@@ -615,6 +675,11 @@ TEST(CapsPix2pixCli, TrainsBothGeneratorsAndDrawsThemSideBySide) {
   auto cnn = nlohmann::json::parse(std::ifstream(dir / "cnn/capspix2pix.json"));
   EXPECT_EQ(cnn["mode_seeking"], 0.0);
   EXPECT_EQ(cnn["model"]["cnn_channels"], 9);
+  EXPECT_EQ(cnn["scored_checkpoint"], capsnet::train::best_checkpoint_path(dir / "cnn"));
+  EXPECT_EQ(cnn["validation"]["maps"], 4);
+  EXPECT_EQ(cnn["validation"]["eval_every"], 1);
+  EXPECT_TRUE(cnn["validation"]["best_step"] == 1 || cnn["validation"]["best_step"] == 2) << cnn["validation"];
+  EXPECT_GT(cnn["validation"]["best_l1"].get<double>(), 0.0);
   {
     capsnet::models::Pix2pixConfig narrow;  // the command's defaults, 9 channels
     narrow.generator = "cnn";
@@ -630,7 +695,10 @@ TEST(CapsPix2pixCli, TrainsBothGeneratorsAndDrawsThemSideBySide) {
   // Bad values are refused before any work.
   r = capsnet::testing::run_command(kCli + " capspix2pix --generator gan --out " + (dir / "x"));
   EXPECT_NE(r.status, 0);
-  for (const std::string flag : {"--recon-weight=-1", "--mode-seeking=-1", "--cnn-channels=0"})
+  EXPECT_TRUE(capsnet::testing::FailsSaying(
+      capsnet::testing::run_cli("capspix2pix --patience 5 --eval-every 10 --out " + (dir / "x")),
+      "--patience needs --val N"));
+  for (const std::string flag : {"--recon-weight=-1", "--mode-seeking=-1", "--cnn-channels=0", "--patience=-1"})
     EXPECT_TRUE(capsnet::testing::FailsSaying(
         capsnet::testing::run_cli("capspix2pix " + flag + " --out " + (dir / "x")), "out of range"))
         << flag;

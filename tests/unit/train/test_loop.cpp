@@ -470,6 +470,96 @@ TEST(LoopTest, EvalEveryAddsMidEpochEvaluationsAtThoseStepsOnly) {
   EXPECT_EQ(steps, (std::vector<int64_t>{2, 3, 4, 6}));
 }
 
+/// A stream whose validation reports only a scripted "loss" (lower is better, as a generator's L1).
+class LossOnlyValidation : public RegressionTask {
+ public:
+  explicit LossOnlyValidation(std::vector<double> losses) : RegressionTask(10, false), losses_(std::move(losses)) {}
+  std::optional<train::Evaluation> evaluate_validation(std::ostream*) override {
+    const size_t k = static_cast<size_t>(validations++);
+    const double l = k < losses_.size() ? losses_[k] : 100.0;
+    return train::Evaluation{{{"loss", l}}, fmt::format("val loss {}", l)};
+  }
+  int64_t validations = 0;
+
+ private:
+  std::vector<double> losses_;
+};
+
+TEST(LoopTest, LossOnlyValidationKeepsTheLowestAndPatienceStopsTheRun) {
+  TempDir dir;
+  std::ostringstream log;
+  auto o = options(dir / "run");
+  o.epochs = 0;
+  o.max_steps = 20;
+  o.evaluate_each_epoch = false;
+  o.checkpoint_every = 0;
+  o.eval_every = 2;
+  o.patience_steps = 4;
+  // Validations at steps 2, 4, 6, 8: losses 5, 3, 4, 3 (a tie is no improvement). At step 8 the best (step 4)
+  // is 4 steps old: the run stops there, saved and tested as a last step.
+  LossOnlyValidation task({5, 3, 4, 3});
+  auto r = train::run(task, o, log);
+  EXPECT_TRUE(r.patience_spent);
+  EXPECT_EQ(r.end_step, 8);
+  EXPECT_EQ(r.best_validation_step, 4);
+  ASSERT_TRUE(r.best_validation_loss.has_value());
+  EXPECT_EQ(*r.best_validation_loss, 3.0);
+  EXPECT_FALSE(r.best_validation_accuracy.has_value());
+  EXPECT_EQ(task.validations, 4);
+  EXPECT_EQ(task.evaluations, 4) << "the test set at 2, 4, 6 and at the stop";
+  EXPECT_EQ(train::read_checkpoint_meta(train::best_checkpoint_path(o.out_dir)).step, 4);
+  EXPECT_EQ(train::read_checkpoint_meta(train::checkpoint_path(o.out_dir)).step, 8);
+  EXPECT_NE(
+      log.str().find("stopping after step 8 of 20: no better validation for 4 steps (patience 4; best at step 4)"),
+      std::string::npos)
+      << log.str();
+  std::vector<int64_t> best_steps;
+  for (const auto& b : records(o.out_dir, "best")) {
+    best_steps.push_back(b["step"].get<int64_t>());
+    EXPECT_TRUE(b.contains("val_loss")) << b.dump();
+  }
+  EXPECT_EQ(best_steps, (std::vector<int64_t>{2, 4}));
+  auto end = records(o.out_dir, "end").at(0);
+  EXPECT_EQ(end["patience_spent"], true);
+  EXPECT_EQ(end["best_val_loss"], 3.0);
+  EXPECT_EQ(end["best_step"], 4);
+  EXPECT_FALSE(end.contains("best_val_accuracy"));
+
+  // The best survives a resume: 6 steps (best 3 at step 4), then resumed with patience: the first validation
+  // after it (step 8, loss 3.5) finds the best 4 steps old.
+  auto a = options(dir / "a");
+  a.epochs = 0;
+  a.max_steps = 6;
+  a.evaluate_each_epoch = false;
+  a.checkpoint_every = 0;
+  a.eval_every = 2;
+  LossOnlyValidation first({5, 3, 4});
+  auto ra = train::run(first, a, log);
+  EXPECT_FALSE(ra.patience_spent);
+  EXPECT_EQ(ra.end_step, 6);
+  auto b = a;
+  b.max_steps = 20;
+  b.patience_steps = 4;
+  b.resume = train::checkpoint_path(a.out_dir);
+  LossOnlyValidation second({3.5});
+  auto rb = train::run(second, b, log);
+  EXPECT_TRUE(rb.patience_spent);
+  EXPECT_EQ(rb.end_step, 8);
+  EXPECT_EQ(rb.best_validation_step, 4);
+  EXPECT_EQ(*rb.best_validation_loss, 3.0);
+
+  // Without patience every step runs; a better validation moves best.pt.
+  auto c = o;
+  c.out_dir = dir / "c";
+  c.patience_steps = 0;
+  LossOnlyValidation improving({5, 4, 3, 2, 1, 0.5, 0.4, 0.3, 0.2, 0.1});
+  auto rc = train::run(improving, c, log);
+  EXPECT_FALSE(rc.patience_spent);
+  EXPECT_EQ(rc.end_step, 20);
+  EXPECT_EQ(rc.best_validation_step, 20);
+  EXPECT_EQ(train::read_checkpoint_meta(train::best_checkpoint_path(c.out_dir)).step, 20);
+}
+
 TEST(LoopTest, BadOptionsNameTheField) {
   TempDir dir;
   RegressionTask task(10, true);
@@ -493,6 +583,7 @@ TEST(LoopTest, BadOptionsNameTheField) {
   expect_field([](auto& o) { o.target_accuracy = 1.5; }, "target_accuracy");
   expect_field([](auto& o) { o.target_accuracy = 0.9, o.evaluate_each_epoch = false; }, "evaluate_each_epoch");
   expect_field([](auto& o) { o.eval_every = -1; }, "eval_every");
+  expect_field([](auto& o) { o.patience_steps = -1; }, "patience_steps");
   RegressionTask empty(0, true);
   EXPECT_THROW(train::run(empty, options(dir / "run"), log), std::invalid_argument);
 }
