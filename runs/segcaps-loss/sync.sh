@@ -8,3 +8,4 @@ for r in runs/segcaps-loss/*/; do
   [ -f $r/metrics.jsonl ] && cp $r/metrics.jsonl $d/$n.metrics.jsonl
   [ -f $r/segcaps.json ] && cp $r/segcaps.json $d/$n.segcaps.json
 done
+exit 0
