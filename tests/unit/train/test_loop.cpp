@@ -488,13 +488,18 @@ class LossOnlyValidation : public RegressionTask {
 TEST(LoopTest, LossOnlyValidationKeepsTheLowestAndPatienceStopsTheRun) {
   TempDir dir;
   std::ostringstream log;
-  auto o = options(dir / "run");
-  o.epochs = 0;
-  o.max_steps = 20;
-  o.evaluate_each_epoch = false;
-  o.checkpoint_every = 0;
-  o.eval_every = 2;
-  o.patience_steps = 4;
+  // A stream of `steps` steps, validated (and tested) every 2nd step and at the end, saved only there.
+  const auto stream = [&](const std::string& name, int64_t steps, int64_t patience) {
+    auto o = options(dir / name);
+    o.epochs = 0;
+    o.max_steps = steps;
+    o.evaluate_each_epoch = false;
+    o.checkpoint_every = 0;
+    o.eval_every = 2;
+    o.patience_steps = patience;
+    return o;
+  };
+  auto o = stream("run", 20, 4);
   // Validations at steps 2, 4, 6, 8: losses 5, 3, 4, 3 (a tie is no improvement). At step 8 the best (step 4)
   // is 4 steps old: the run stops there, saved and tested as a last step.
   LossOnlyValidation task({5, 3, 4, 3});
@@ -527,12 +532,7 @@ TEST(LoopTest, LossOnlyValidationKeepsTheLowestAndPatienceStopsTheRun) {
 
   // The best survives a resume: 6 steps (best 3 at step 4), then resumed with patience: the first validation
   // after it (step 8, loss 3.5) finds the best 4 steps old.
-  auto a = options(dir / "a");
-  a.epochs = 0;
-  a.max_steps = 6;
-  a.evaluate_each_epoch = false;
-  a.checkpoint_every = 0;
-  a.eval_every = 2;
+  auto a = stream("a", 6, 0);
   LossOnlyValidation first({5, 3, 4});
   auto ra = train::run(first, a, log);
   EXPECT_FALSE(ra.patience_spent);
@@ -549,9 +549,7 @@ TEST(LoopTest, LossOnlyValidationKeepsTheLowestAndPatienceStopsTheRun) {
   EXPECT_EQ(*rb.best_validation_loss, 3.0);
 
   // Without patience every step runs; a better validation moves best.pt.
-  auto c = o;
-  c.out_dir = dir / "c";
-  c.patience_steps = 0;
+  auto c = stream("c", 20, 0);
   LossOnlyValidation improving({5, 4, 3, 2, 1, 0.5, 0.4, 0.3, 0.2, 0.1});
   auto rc = train::run(improving, c, log);
   EXPECT_FALSE(rc.patience_spent);
