@@ -75,10 +75,9 @@ struct Schedule {
   }
 };
 
-/// The best epoch-end validation of a run: highest accuracy, ties broken by the lower loss (the first
-/// such epoch wins an exact tie). Travels in every checkpoint's options, so a resume keeps it.
-/// The best validation so far. Records with an "accuracy" compare by it (ties: the lower "loss"); records
-/// with only a "loss" (e.g. a generator's L1) by the lower loss.
+/// The best validation of a run: the highest "accuracy", ties broken by the lower "loss"; records with only
+/// a "loss" (e.g. a generator's L1) by the lower loss. The first of exact ties wins. Travels in every
+/// checkpoint's options, so a resume keeps it.
 struct BestValidation {
   bool found = false;
   std::optional<double> accuracy;  // absent: a loss-only validation
@@ -588,13 +587,17 @@ class LoopRun {
   /// reaches the same points and learns rank 0's verdict.
   void check_patience() {
     if (options_.patience_steps <= 0) return;
-    bool spent = lead_ && best_.found && step_ - best_.step >= options_.patience_steps && step_ < total_steps_;
-    if (group_) {
-      std::vector<torch::Tensor> flag{torch::tensor({spent ? 1.0 : 0.0}, torch::kFloat64)};
-      group_->allreduce_sum(flag);
-      spent = flag[0].item<double>() > 0;
-    }
-    result_.patience_spent = spent;
+    result_.patience_spent =
+        everyone_knows(lead_ && best_.found && step_ - best_.step >= options_.patience_steps && step_ < total_steps_);
+  }
+
+  /// Rank 0's decision, on every rank (only rank 0 evaluates; every rank must stop at the same step). Every
+  /// rank must call it at the same points.
+  bool everyone_knows(bool lead_decision) const {
+    if (!group_) return lead_decision;
+    std::vector<torch::Tensor> flag{torch::tensor({lead_decision ? 1.0 : 0.0}, torch::kFloat64)};
+    group_->allreduce_sum(flag);
+    return flag[0].item<double>() > 0;
   }
 
   bool reached_target(const Evaluation& e) const {
@@ -626,12 +629,7 @@ class LoopRun {
       }
     }
     log_ << line << '\n' << std::flush;
-    if (group_ && options_.target_accuracy > 0) {
-      // Only rank 0 evaluates; every rank must stop at the same step.
-      std::vector<torch::Tensor> flag{torch::tensor({result_.target_reached ? 1.0 : 0.0}, torch::kFloat64)};
-      group_->allreduce_sum(flag);
-      result_.target_reached = flag[0].item<double>() > 0;
-    }
+    if (options_.target_accuracy > 0) result_.target_reached = everyone_knows(result_.target_reached);
   }
 
   bool should_stop() {
