@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -24,19 +25,21 @@ std::string env(const char* name) {
   return v ? v : "";
 }
 
-// The median time in ms of `steps` training steps of `model` at `precision`, after one warm-up step.
-double time_steps(models::CapsNet& model, Precision precision, const torch::Tensor& images,
-                  const torch::Tensor& labels, int steps) {
-  model->set_precision(precision);
+// One training step of `model` (forward, loss, backward; gradients dropped after), in ms.
+double time_step(models::CapsNet& model, const torch::Tensor& images, const torch::Tensor& labels) {
+  const auto start = std::chrono::steady_clock::now();
+  auto out = model(images, labels);
+  model->loss(out, images, labels).total.backward();
+  const auto end = std::chrono::steady_clock::now();
+  for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
+  return std::chrono::duration<double, std::milli>(end - start).count();
+}
+
+// The median time in ms of `steps` training steps of `model` at `precision` (after the warm-up step, which the
+// caller has run at this precision).
+double median_step_ms(models::CapsNet& model, const torch::Tensor& images, const torch::Tensor& labels, int steps) {
   std::vector<double> ms;
-  for (int s = 0; s <= steps; ++s) {
-    const auto start = std::chrono::steady_clock::now();
-    auto out = model(images, labels);
-    model->loss(out, images, labels).total.backward();
-    const auto end = std::chrono::steady_clock::now();
-    for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
-    if (s > 0) ms.push_back(std::chrono::duration<double, std::milli>(end - start).count());  // s = 0: warm-up
-  }
+  for (int s = 0; s < steps; ++s) ms.push_back(time_step(model, images, labels));
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
 }
@@ -87,12 +90,14 @@ std::string cpu_model_name() {
   return name;
 }
 
-PrecisionProbe measure_precision(int64_t batch, int steps) {
+PrecisionProbe measure_precision(int64_t batch, int steps, double max_warmup_ms) {
   if (!cpu_has_native_bf16())
     throw std::invalid_argument("measure_precision: this CPU has no native bf16 arithmetic (AVX512_BF16 or AMX)");
   if (batch <= 0 || steps <= 0)
     throw std::invalid_argument(fmt::format("measure_precision: batch and steps must be positive, got {} and {}",
                                             batch, steps));
+  if (!(max_warmup_ms >= 0))
+    throw std::invalid_argument(fmt::format("measure_precision: max_warmup_ms must be >= 0, got {}", max_warmup_ms));
   PrecisionProbe p;
   p.cpu = cpu_model_name();
   p.threads = at::get_num_threads();
@@ -102,10 +107,36 @@ PrecisionProbe measure_precision(int64_t batch, int steps) {
   model->train();
   auto images = torch::rand({batch, 1, 28, 28}, gen);                 // [B, 1, 28, 28]
   auto labels = torch::randint(0, 10, {batch}, gen, torch::kLong);    // [B]
-  p.fp32_ms = time_steps(model, Precision::kFloat32, images, labels, steps);
-  p.bf16_ms = time_steps(model, Precision::kBFloat16, images, labels, steps);
+  model->set_precision(Precision::kFloat32);
+  const double warmup_ms = time_step(model, images, labels);
+  if (warmup_ms > max_warmup_ms) {  // a busy machine: its timings would say nothing about the precisions
+    p.busy = true;
+    p.fp32_ms = warmup_ms;
+    p.choice = Precision::kBFloat16;  // the instruction rule
+    return p;
+  }
+  p.fp32_ms = median_step_ms(model, images, labels, steps);
+  model->set_precision(Precision::kBFloat16);
+  time_step(model, images, labels);  // warm-up
+  p.bf16_ms = median_step_ms(model, images, labels, steps);
   p.choice = p.bf16_ms < p.fp32_ms ? Precision::kBFloat16 : Precision::kFloat32;
   return p;
+}
+
+double probe_budget_ms() {
+  const auto text = env("CAPSNET_PROBE_MAX_MS");
+  if (text.empty()) return 3000;
+  double ms = -1;
+  size_t used = 0;
+  try {
+    ms = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || !(ms >= 0) || !std::isfinite(ms))
+    throw std::invalid_argument(
+        fmt::format("CAPSNET_PROBE_MAX_MS must be a non-negative number of milliseconds, got '{}'", text));
+  return ms;
 }
 
 std::string precision_cache_path() {
@@ -144,7 +175,16 @@ Precision resolve_auto_precision(std::ostream& log) {
     p.cpu = cpu;
     p.threads = threads;
   } else {
-    p = measure_precision();
+    const double budget = probe_budget_ms();
+    p = measure_precision(32, 3, budget);
+    if (p.busy) {
+      log << fmt::format(
+          "note: --precision auto: bf16 (the machine is busy: one fp32 probe step took {:.0f} ms, over the {:.0f} ms "
+          "budget, so nothing was measured or cached in {}; bf16 because this CPU has native bf16; "
+          "--precision fp32|bf16 chooses explicitly)\n",
+          p.fp32_ms, budget, path);
+      return p.choice;
+    }
     if (!cache.is_object()) cache = nlohmann::json::object();
     cache[key] = {{"choice", precision_name(p.choice)}, {"fp32_ms", p.fp32_ms}, {"bf16_ms", p.bf16_ms},
                   {"probe", "one training step of the paper's MNIST CapsNet, batch 32, median of 3"}};

@@ -65,7 +65,9 @@ TEST(PrecisionProbe, WithoutNativeBf16AutoIsFp32WithANoteAndNoProbe) {
 TEST(PrecisionProbe, MeasuresOnceCachesPerCpuAndThreadsAndObeysTheCache) {
   if (!cpu_has_native_bf16()) GTEST_SKIP() << "no native bf16: auto is fp32 without a probe";
   testing::TempDir dir;
-  ScopedEnv c("CAPSNET_CACHE_DIR", dir / "cache"), rule("CAPSNET_PRECISION_AUTO", std::nullopt);
+  // No busy-machine fallback here (the test suite may share the cores): this test is about measuring.
+  ScopedEnv c("CAPSNET_CACHE_DIR", dir / "cache"), rule("CAPSNET_PRECISION_AUTO", std::nullopt),
+      budget("CAPSNET_PROBE_MAX_MS", "1e9");
   const std::string path = dir / "cache/precision-probe.json";
 
   // The rule skips the probe and the cache.
@@ -118,6 +120,54 @@ TEST(PrecisionProbe, MeasuresOnceCachesPerCpuAndThreadsAndObeysTheCache) {
   apps::resolve_auto_precision(again);
   EXPECT_NE(again.str().find("measured now"), std::string::npos) << again.str();
   EXPECT_TRUE(nlohmann::json::parse(std::ifstream(path)).contains(key_here()));
+}
+
+TEST(PrecisionProbe, ABusyMachineFallsBackToTheInstructionRuleAndCachesNothing) {
+  if (!cpu_has_native_bf16()) GTEST_SKIP() << "no native bf16: auto is fp32 without a probe";
+  // The fp32 warm-up step over the budget: the probe stops there and says so.
+  const auto busy = apps::measure_precision(4, 1, /*max_warmup_ms=*/0.0);
+  EXPECT_TRUE(busy.busy);
+  EXPECT_GT(busy.fp32_ms, 0);
+  EXPECT_EQ(busy.bf16_ms, 0);
+  EXPECT_EQ(busy.choice, Precision::kBFloat16);
+  // Within the budget both precisions are timed.
+  const auto idle = apps::measure_precision(4, 1, /*max_warmup_ms=*/1e9);
+  EXPECT_FALSE(idle.busy);
+  EXPECT_GT(idle.fp32_ms, 0);
+  EXPECT_GT(idle.bf16_ms, 0);
+  EXPECT_THROW(apps::measure_precision(4, 1, -1.0), std::invalid_argument);
+
+  // resolve_auto_precision with CAPSNET_PROBE_MAX_MS=0: bf16, a note saying why, and no cache file.
+  testing::TempDir dir;
+  ScopedEnv c("CAPSNET_CACHE_DIR", dir / "cache"), rule("CAPSNET_PRECISION_AUTO", std::nullopt),
+      budget("CAPSNET_PROBE_MAX_MS", "0");
+  const std::string path = dir / "cache/precision-probe.json";
+  std::ostringstream log;
+  EXPECT_EQ(apps::resolve_auto_precision(log), Precision::kBFloat16);
+  EXPECT_NE(log.str().find("the machine is busy"), std::string::npos) << log.str();
+  EXPECT_NE(log.str().find("over the 0 ms budget"), std::string::npos) << log.str();
+  EXPECT_FALSE(std::filesystem::exists(path));
+
+  // A cached entry is still obeyed (the budget only concerns a new probe).
+  std::filesystem::create_directories(dir / "cache");
+  std::ofstream(path)
+      << nlohmann::json{{key_here(), {{"choice", "fp32"}, {"fp32_ms", 10.0}, {"bf16_ms", 20.0}}}}.dump();
+  std::ostringstream cached;
+  EXPECT_EQ(apps::resolve_auto_precision(cached), Precision::kFloat32);
+
+  // A malformed budget is refused, naming the variable.
+  std::filesystem::remove(path);
+  for (const char* bad : {"abc", "-1", "5ms", "nan"}) {
+    ScopedEnv b("CAPSNET_PROBE_MAX_MS", bad);
+    std::ostringstream ignored;
+    try {
+      apps::resolve_auto_precision(ignored);
+      ADD_FAILURE() << "accepted CAPSNET_PROBE_MAX_MS=" << bad;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("CAPSNET_PROBE_MAX_MS"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(apps::probe_budget_ms(), 0.0);  // the scope's "0" again
 }
 
 }  // namespace
