@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
-"""Markdown tables of the capspix2pix runs trained to validation, from DIR/NAME.capspix2pix.json (copies of
+"""Markdown tables of the capspix2pix runs trained to validation, from DIR/NAME.json (copies of
 runs/p2p-val-NAME/capspix2pix.json; NAME = caps-s1, cnn-s2, cnn9-s3, ...): one row per run, then the mean and
 spread (min-max) per generator.   Usage: table.py [DIR] (default: this file's folder)"""
 import glob, json, os, statistics, sys
 here = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
 runs = []
-for path in sorted(glob.glob(os.path.join(here, "*.capspix2pix.json"))):
+for path in sorted(glob.glob(os.path.join(here, "*-s[0-9].json"))):
     j = json.load(open(path))
     v, t = j["validation"], j["test"]
     lc = t.get("label_consistency", {})
-    runs.append(dict(name=os.path.basename(path)[: -len(".capspix2pix.json")], params=j["generator_parameters"],
+    runs.append(dict(name=os.path.basename(path)[: -len(".json")], params=j["generator_parameters"],
                      seed=j["train_seed"], steps=j["steps"], best_step=v["best_step"], val=v["best_l1"], l1=t["l1"],
                      psnr=t["psnr_db"], ssim=t["ssim"], div=t["diversity"], lc=lc.get("generated"),
                      real=lc.get("real"), ips=j["train_images_per_second"]))
