@@ -55,13 +55,16 @@ void add_comparison_flags(CLI::App& app, ComparisonFlags& f, const std::string& 
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--epochs", f.epochs,
-                 "Train each model for up to this many epochs, evaluating it on " + epoch_evaluation +
-                     " (and on the validation split with --val) after each (0 = --steps steps)")
+                 "Train each model for up to this many epochs (0 = --steps steps), evaluating it after each on the "
+                 "validation split with --val" + (epoch_evaluation.empty() ? std::string(" (the test set is scored at "
+                                                                              "the end only)")
+                                                                        : " and on " + epoch_evaluation))
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--target-accuracy", f.target_accuracy,
                  "With --epochs: stop a model at the first epoch whose accuracy reaches this fraction (on the "
-                 "validation split with --val, else on " + epoch_evaluation + "; 0 = train all the epochs)")
+                 "validation split with --val" + (epoch_evaluation.empty() ? "" : ", else on " + epoch_evaluation) +
+                 "; 0 = train all the epochs)")
       ->capture_default_str();
   app.add_option("--lr-decay", f.lr_decay, "With --epochs: learning-rate factor per epoch, in (0, 1]")
       ->capture_default_str();

@@ -38,7 +38,8 @@ struct ComparisonFlags {
 /// Registers --steps, --epochs, --target-accuracy, --lr-decay, --checkpoint-every, --val, --resume,
 /// --precision, --batch-size, --lr, --seed, --eval-batch-size, --log-every, --no-progress and --threads
 /// with the values already in `f` as their defaults. `epoch_evaluation` names what is evaluated after
-/// each epoch without a validation split (e.g. "the translated test set").
+/// each epoch besides the validation split (e.g. "the translated test set"; empty: nothing, the test set is
+/// scored at the end only).
 void add_comparison_flags(CLI::App& app, ComparisonFlags& f, const std::string& epoch_evaluation);
 
 /// What both comparison commands hold besides their training flags: data, output, which models, the

@@ -39,6 +39,7 @@ struct Flags : ComparisonCommandFlags {  // training defaults: 300 steps of 32
   }
   std::string stn = "both";
   int64_t figure_examples = 12;
+  int64_t stn_size = 0;  // side of the transformer's output (0 = the canvas)
   bool small = false;
 };
 
@@ -55,12 +56,14 @@ train::Classifier make_classifier(const RunSpec& spec, const Flags& f, Precision
     c.image_size = kCanvas;  // primary grid 13x13
     if (f.small) c.conv1_channels = 64, c.primary_types = 16;
     c.stn = spec.stn;
+    c.stn_size = spec.stn ? f.stn_size : 0;
     return train::capsnet_classifier(spec.name(), c, precision);
   }
   models::BaselineCnnConfig c;
   c.image_size = kCanvas;
   if (f.small) c.conv1_channels = 64, c.conv2_channels = 64, c.conv3_channels = 32;
   c.stn = spec.stn;
+  c.stn_size = spec.stn ? f.stn_size : 0;
   return train::cnn_classifier(spec.name(), c, precision);
 }
 
@@ -94,7 +97,9 @@ torch::Tensor transforms_figure(std::vector<train::Classifier*>& runs, const dat
     if (k > 0)
       for (int64_t c = 0; c < 2 * kPairs; ++c) tiles.push_back(blank);
     runs[k]->module->eval();
-    const auto out = runs[k]->transformer(images).output.clamp(0, 1);  // [count, 1, 42, 42]
+    auto out = runs[k]->transformer(images).output.clamp(0, 1);  // [count, 1, N, N], N = --stn-size or 42
+    if (const int64_t margin = kCanvas - out.size(-1); margin > 0)  // a smaller output sits centred on grey
+      out = torch::constant_pad_nd(out, {margin / 2, margin - margin / 2, margin / 2, margin - margin / 2}, 0.35);
     for (int64_t row = 0; row * kPairs < count; ++row)
       for (int64_t i = row * kPairs; i < (row + 1) * kPairs; ++i) {
         tiles.push_back(i < count ? images[i][0] : blank);
@@ -149,6 +154,7 @@ int run(const Flags& f) {
                   {"precision", precision_name(precision)},
                   {"test_seed", f.test_seed},
                   {"small", f.small},
+                  {"stn_size", f.stn_size},
                   {"train_examples", train_set.size()},
                   {"test_examples", test_set.size()},
                   {"threads", at::get_num_threads()},
@@ -281,13 +287,17 @@ Subcommand add_stn(CLI::App& root) {
                                {"Output directory (stn.json, stn.md, metrics.jsonl, stn_transforms.png)",
                                 "Which model(s): capsnet, cnn or both", "Seed of the distorted test set",
                                 "Draw training digits from the first N images only (0 = all)",
-                                "Build the test set from the first N test images (0 = all)",
-                                "nothing (the test set is scored at the end only)"});
+                                "Build the test set from the first N test images (0 = all)", ""});
   app->add_option("--stn", f->stn, "Spatial transformer: on, off or both (the 2x2 grid with --model both)")
       ->check(CLI::IsMember({"on", "off", "both"}))
       ->capture_default_str();
   app->add_option("--figure-examples", f->figure_examples, "Test digits in stn_transforms.png per STN run")
       ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app->add_option("--stn-size", f->stn_size,
+                  "Side of the spatial transformer's output, which the network behind it sees (0 = the 42x42 canvas; "
+                  "smaller sizes make the transformer zoom)")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app->add_flag("--small", f->small,
                 "Narrower models for CPU budgets: CapsNet conv1 64 channels, 16 primary types; CNN 64/64/32 channels");

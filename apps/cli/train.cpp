@@ -84,7 +84,15 @@ void add_train_flags(CLI::App& app, TrainFlags& f) {
   app.add_flag("--composite-routing", f.composite_routing,
                "Route with plain tensor ops instead of the fused operator (same math; slower, more memory)");
   add_training_precision_flag(app, f.precision);
-  app.add_flag("--no-reconstruction", f.no_reconstruction, "No decoder and no reconstruction loss");
+  auto* no_reconstruction =
+      app.add_flag("--no-reconstruction", f.no_reconstruction, "No decoder and no reconstruction loss");
+  app.add_option("--reconstruction-scale", f.o.model.reconstruction_scale,
+                 "Weight of the reconstruction loss (sum of squared pixel errors) beside the margin loss summed over "
+                 "classes: 0.0005 as the paper states. The authors' code averages a halved margin loss over the 10 "
+                 "classes (0.05x the paper's), so it trains the equivalent of 0.01")
+      ->check(CLI::Range(0.0, 1000.0))
+      ->excludes(no_reconstruction)
+      ->capture_default_str();
   app.add_flag("--stn", f.o.model.stn, "Spatial transformer in front of the CapsNet (identity at init)");
   app.add_option("--max-shift", f.o.max_shift, "Random shift augmentation, pixels")
       ->check(CLI::Range(0, 27))

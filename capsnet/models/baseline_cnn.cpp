@@ -10,7 +10,9 @@
 
 namespace capsnet::models {
 
-int64_t BaselineCnnConfig::feature_size() const { return pooling ? image_size / 2 / 2 : image_size; }
+int64_t BaselineCnnConfig::network_size() const { return stn && stn_size > 0 ? stn_size : image_size; }
+
+int64_t BaselineCnnConfig::feature_size() const { return pooling ? network_size() / 2 / 2 : network_size(); }
 
 int64_t BaselineCnnConfig::flattened_features() const {
   return conv3_channels * feature_size() * feature_size();
@@ -48,9 +50,14 @@ void BaselineCnnConfig::validate() const {
         fmt::format("baseline CNN config: kernel_size must be odd for 'same' padding, got {}", kernel_size));
   if (num_classes < 2)
     throw std::invalid_argument(fmt::format("baseline CNN config: num_classes must be at least 2, got {}", num_classes));
+  if (stn_size < 0)
+    throw std::invalid_argument(fmt::format("baseline CNN config: stn_size must be >= 0, got {}", stn_size));
+  if (stn_size > 0 && !stn)
+    throw std::invalid_argument(
+        fmt::format("baseline CNN config: stn_size {} needs stn (the transformer's output side)", stn_size));
   if (feature_size() < 1)
-    throw std::invalid_argument(fmt::format(
-        "baseline CNN config: image_size {} is too small for two 2x2 poolings (needs >= 4)", image_size));
+    throw std::invalid_argument(fmt::format("baseline CNN config: {} {} is too small for two 2x2 poolings (needs >= 4)",
+                                            stn_size > 0 ? "stn_size" : "image_size", network_size()));
   if (!(dropout >= 0 && dropout < 1))
     throw std::invalid_argument(fmt::format("baseline CNN config: dropout must be in [0, 1), got {}", dropout));
 }
@@ -78,7 +85,9 @@ void BaselineCnnImpl::reset() {
   drop = register_module("drop", torch::nn::Dropout(torch::nn::DropoutOptions(config.dropout)));
   if (config.stn)
     stn = register_module("stn", nn::SpatialTransformer(nn::SpatialTransformerOptions(
-                                     config.image_channels, config.image_size, config.image_size)));
+                                                            config.image_channels, config.image_size, config.image_size)
+                                                            .output_height(config.network_size())
+                                                            .output_width(config.network_size())));
 }
 
 torch::Tensor BaselineCnnImpl::forward(const torch::Tensor& images) {
@@ -87,11 +96,11 @@ torch::Tensor BaselineCnnImpl::forward(const torch::Tensor& images) {
               "BaselineCnn: images must be [B, ", config.image_channels, ", ", config.image_size, ", ",
               config.image_size, "], got ", images.sizes());
   const auto p = precision_;
-  auto x = stn ? stn(images) : images;                    // [B, C, S, S]
-  x = torch::relu(kernels::conv2d_at(conv1, x, p));            // [B, 256, S, S], compute dtype
-  if (config.pooling) x = torch::max_pool2d(x, 2);        // [B, 256, S/2, S/2]
+  auto x = stn ? stn(images) : images;                    // [B, C, N, N], N = network_size()
+  x = torch::relu(kernels::conv2d_at(conv1, x, p));            // [B, 256, N, N], compute dtype
+  if (config.pooling) x = torch::max_pool2d(x, 2);        // [B, 256, N/2, N/2]
   x = torch::relu(kernels::conv2d_at(conv2, x, p));
-  if (config.pooling) x = torch::max_pool2d(x, 2);        // [B, 256, S/4, S/4]
+  if (config.pooling) x = torch::max_pool2d(x, 2);        // [B, 256, N/4, N/4]
   x = torch::relu(kernels::conv2d_at(conv3, x, p)).flatten(1);  // [B, 128 * F * F]
   x = drop(torch::relu(kernels::linear_at(fc1, x, p)));        // [B, 328]
   x = drop(torch::relu(kernels::linear_at(fc2, x, p)));        // [B, 192]

@@ -41,8 +41,11 @@ struct BaselineCnnConfig {
   int64_t num_classes = 10;
   double dropout = 0.5;  // after each hidden FC layer, training only; the paper gives no rate
   bool stn = false;      // a SpatialTransformer warps the input first (Jaderberg et al. 2015)
+  int64_t stn_size = 0;  // with stn: side of the transformer's output, which conv1 sees (0 = image_size)
 
-  /// Side of the conv3 feature map: image_size, or image_size / 2 / 2 (floor) with pooling.
+  /// Side of the image conv1 sees: stn_size with a spatial transformer that resamples, else image_size.
+  int64_t network_size() const;
+  /// Side of the conv3 feature map: network_size(), or network_size() / 2 / 2 (floor) with pooling.
   int64_t feature_size() const;
   /// Inputs of fc1: conv3_channels * feature_size()^2.
   int64_t flattened_features() const;
@@ -65,6 +68,7 @@ struct BaselineCnnConfig {
     f("num_classes", c.num_classes);
     f("dropout", c.dropout);
     f("stn", c.stn);
+    f("stn_size", c.stn_size);
   }
   nlohmann::json to_json() const;
   /// Missing keys keep their defaults; unknown keys and wrong types throw std::invalid_argument.

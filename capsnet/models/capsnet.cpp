@@ -11,7 +11,9 @@
 
 namespace capsnet::models {
 
-int64_t CapsNetConfig::conv1_grid() const { return image_size - conv1_kernel + 1; }
+int64_t CapsNetConfig::network_size() const { return stn && stn_size > 0 ? stn_size : image_size; }
+
+int64_t CapsNetConfig::conv1_grid() const { return network_size() - conv1_kernel + 1; }
 
 int64_t CapsNetConfig::primary_grid() const { return (conv1_grid() - primary_kernel) / primary_stride + 1; }
 
@@ -33,15 +35,20 @@ void CapsNetConfig::validate() const {
   positive("digit_dim", digit_dim);
   positive("routing_iterations", routing_iterations);
   if (num_classes < 2) throw std::invalid_argument("model config: num_classes must be at least 2");
+  if (stn_size < 0) throw std::invalid_argument(fmt::format("model config: stn_size must be >= 0, got {}", stn_size));
+  if (stn_size > 0 && !stn)
+    throw std::invalid_argument(
+        fmt::format("model config: stn_size {} needs stn (the transformer's output side)", stn_size));
   if (conv1_grid() < primary_kernel)
     throw std::invalid_argument(fmt::format(
-        "model config: image_size {} is too small for conv1_kernel {} followed by primary_kernel {}", image_size,
-        conv1_kernel, primary_kernel));
+        "model config: {} {} is too small for conv1_kernel {} followed by primary_kernel {}",
+        stn_size > 0 ? "stn_size" : "image_size", network_size(), conv1_kernel, primary_kernel));
   if (!(reconstruction_scale >= 0) || !std::isfinite(reconstruction_scale))
     throw std::invalid_argument("model config: reconstruction_scale must be a finite number >= 0");
   // A crafted config must fail here with a sentence, not in an allocation of terabytes.
   constexpr int64_t kMaxDim = 1 << 16;
-  for (auto [name, value] : {std::pair<const char*, int64_t>{"image_size", image_size}, {"image_channels", image_channels},
+  for (auto [name, value] : {std::pair<const char*, int64_t>{"image_size", image_size}, {"stn_size", stn_size},
+                             {"image_channels", image_channels},
                              {"conv1_channels", conv1_channels}, {"conv1_kernel", conv1_kernel},
                              {"primary_types", primary_types}, {"primary_dim", primary_dim},
                              {"primary_kernel", primary_kernel}, {"primary_stride", primary_stride},
@@ -89,7 +96,9 @@ void CapsNetImpl::reset() {
   }
   if (config.stn)
     stn = register_module("stn", nn::SpatialTransformer(nn::SpatialTransformerOptions(
-                                     config.image_channels, config.image_size, config.image_size)));
+                                                            config.image_channels, config.image_size, config.image_size)
+                                                            .output_height(config.network_size())
+                                                            .output_width(config.network_size())));
 }
 
 CapsNetOutput CapsNetImpl::forward(const torch::Tensor& images, const std::optional<torch::Tensor>& labels) {
@@ -99,7 +108,7 @@ CapsNetOutput CapsNetImpl::forward(const torch::Tensor& images, const std::optio
               config.image_size, "], got ", images.sizes());
   CapsNetOutput out;
   // The decoder still reconstructs (and the loss compares with) the untransformed input.
-  const auto x = stn ? stn(images) : images;      // [B, C, S, S]
+  const auto x = stn ? stn(images) : images;      // [B, C, N, N], N = network_size()
   // conv1 -> ReLU -> PrimaryCaps conv run in the compute precision; u is fp32. Without autograd the
   // three stay in oneDNN's blocked layout with weights reordered once (kernels/blocked_conv.h). The ReLU is
   // PrimaryCaps' (relu_input): fused into its convolution where that can (kernels/conv_dispatch.h). Its inference

@@ -33,7 +33,10 @@ struct CapsNetConfig {
   bool reconstruction = true;  // decoder + 0.0005 * SSE term
   double reconstruction_scale = 0.0005;
   bool stn = false;  // a SpatialTransformer warps the input first (Jaderberg et al. 2015); absent in old configs
+  int64_t stn_size = 0;  // with stn: side of the transformer's output, which Conv1 sees (0 = image_size)
 
+  /// Side of the image Conv1 sees: stn_size with a spatial transformer that resamples, else image_size.
+  int64_t network_size() const;
   /// Side of Conv1's output (20 for the paper's model: a valid 9 x 9 convolution of 28 x 28).
   int64_t conv1_grid() const;
   /// Side of the PrimaryCaps grid (6 for the paper's model).
@@ -60,6 +63,7 @@ struct CapsNetConfig {
     f("reconstruction", c.reconstruction);
     f("reconstruction_scale", c.reconstruction_scale);
     f("stn", c.stn);
+    f("stn_size", c.stn_size);
   }
   nlohmann::json to_json() const;
   /// Missing keys keep their defaults; unknown keys and wrong types throw std::invalid_argument.

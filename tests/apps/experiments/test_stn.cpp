@@ -283,6 +283,62 @@ TEST(StnModelTest, CapsNetAndCnnWithStnStartAsTheModelWithoutIt) {
   EXPECT_TRUE(torch::allclose(cnn_with(images), cnn_without(images), 1e-4, 1e-5));
 }
 
+// stn_size: the transformer resamples the input to another side and the network behind it is built for
+// that side; at init (identity theta) the model equals the same network fed the resampled input, the
+// decoder still reconstructs the full-size input, and bad sizes fail naming the field.
+TEST(StnModelTest, AResamplingTransformerFeedsTheNetworkItsOutputSize) {
+  ScopedThreads one(1);
+  const auto images = torch::rand({3, 1, 16, 16});
+  const auto resampled = nn::affine_sample(images, nn::identity_theta(3), 12, 12);  // [3, 1, 12, 12]
+  auto c = testing::tiny_config();
+  c.image_size = 16, c.stn = true, c.stn_size = 12;
+  EXPECT_EQ(c.network_size(), 12);
+  EXPECT_EQ(c.conv1_grid(), 10);
+  torch::manual_seed(11);
+  models::CapsNet with(c);
+  auto plain_config = testing::tiny_config();  // 12 x 12, no transformer
+  torch::manual_seed(11);
+  models::CapsNet plain(plain_config);
+  const auto labels = torch::tensor({1, 2, 3}, torch::kLong);
+  const auto out = with(images, labels);
+  EXPECT_TRUE(torch::allclose(out.lengths, plain(resampled).lengths, 1e-4, 1e-5));
+  EXPECT_EQ(out.reconstruction.size(1), 16 * 16);  // the untransformed input
+  EXPECT_EQ(with->stn->forward(images).sizes(), (std::vector<int64_t>{3, 1, 12, 12}));
+  EXPECT_EQ(models::CapsNetConfig::from_json(c.to_json()).stn_size, 12);
+  auto j = c.to_json();
+  j.erase("stn_size");  // a config written before the field existed
+  EXPECT_EQ(models::CapsNetConfig::from_json(j).stn_size, 0);
+  EXPECT_EQ(models::CapsNetConfig::from_json(j).network_size(), 16);
+  auto bad = c;
+  bad.stn = false;
+  expect_invalid([&] { bad.validate(); }, "stn_size 12 needs stn");
+  bad = c, bad.stn_size = 4;
+  expect_invalid([&] { bad.validate(); }, "stn_size 4 is too small");
+  bad = c, bad.stn_size = -1;
+  expect_invalid([&] { bad.validate(); }, "stn_size must be >= 0");
+
+  models::BaselineCnnConfig cc;
+  cc.image_size = 16, cc.conv1_channels = 4, cc.conv2_channels = 4, cc.conv3_channels = 4, cc.fc1_units = 8,
+  cc.fc2_units = 8;
+  cc.stn = true, cc.stn_size = 12;
+  EXPECT_EQ(cc.feature_size(), 3);
+  torch::manual_seed(12);
+  models::BaselineCnn cnn(cc);
+  EXPECT_EQ(cc.num_parameters(), models::count_parameters(*cnn));
+  auto pc = cc;
+  pc.image_size = 12, pc.stn = false, pc.stn_size = 0;
+  torch::manual_seed(12);
+  models::BaselineCnn cnn_plain(pc);
+  cnn->eval(), cnn_plain->eval();
+  EXPECT_TRUE(torch::allclose(cnn(images), cnn_plain(resampled), 1e-4, 1e-5));
+  EXPECT_EQ(models::BaselineCnnConfig::from_json(cc.to_json()).stn_size, 12);
+  auto badc = cc;
+  badc.stn_size = 3;
+  expect_invalid([&] { badc.validate(); }, "stn_size 3 is too small");
+  badc = cc, badc.stn = false;
+  expect_invalid([&] { badc.validate(); }, "stn_size 12 needs stn");
+}
+
 TEST(StnModelTest, ConfigJsonRoundTripAndOldConfigsWithoutTheField) {
   auto c = testing::tiny_config();
   c.stn = true;
@@ -384,6 +440,14 @@ TEST(StnCliTest, RunsTheGridAndWritesJsonTableMetricsAndFigure) {
     ++evals;
   EXPECT_EQ(evals, 4u) << metrics;
 
+  // --stn-size: the STN cell's network sees a 20 x 20 resampling, the figure still tiles 42 x 42 pairs.
+  const std::string out3 = run.dir / "out3";
+  r = run.run_to(out3, "stn", "--model cnn --stn on --stn-size 20 --steps 1 --batch-size 4 --test-limit 3 --small");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto report3 = nlohmann::json::parse(read_all(out3 + "/stn.json"));
+  EXPECT_EQ(report3["options"]["stn_size"], 20);
+  EXPECT_EQ(viz::read_png_gray(out3 + "/stn_transforms.png").size(1), 12 * 44 + 2);
+
   // One cell of the grid only; no STN run means no figure.
   const std::string out2 = run.dir / "out2";
   r = run.run_to(out2, "stn", "--model cnn --stn off --steps 1 --batch-size 4 --test-limit 5 --small");
@@ -401,7 +465,9 @@ TEST(StnCliTest, BadOptionsFailNamingTheOption) {
                                                         {"--steps 0", "--steps"},
                                                         {"--batch-size -1", "--batch-size"},
                                                         {"--val 8", "--val 8 must leave training images"},
-                                                        {"--target-accuracy 0.9", "--target-accuracy needs --epochs"}})
+                                                        {"--target-accuracy 0.9", "--target-accuracy needs --epochs"},
+                                                        {"--stn-size -1", "--stn-size"},
+                                                        {"--stn-size 2 --batch-size 4", "stn_size 2 is too small"}})
     EXPECT_TRUE(testing::FailsSaying(run.run("stn", args), needle)) << args;
   const std::string missing = run.dir / "missing";
   EXPECT_TRUE(
