@@ -1,0 +1,46 @@
+#!/usr/bin/env python3
+"""Reconstruction weight 0.01 (the authors' balance) against 0.0005 (the paper's text), same 40-epoch one-cycle
+recipe, validation split and seeds. Reads docs/runs/mnist-val40-s{1,2}.metrics.jsonl (0.0005) and
+docs/runs/mnist-rs01/s{1,2}.metrics.jsonl (0.01); prints per run the validation-chosen epoch (best validation
+accuracy, ties: lower validation loss, as best.pt) with its test accuracy, the last epoch's test accuracy, and
+per-epoch validation / test for the last 10 epochs.   Usage: table.py"""
+import json, os, statistics
+here = os.path.dirname(os.path.abspath(__file__))
+runs = {("0.0005", s): os.path.join(here, "..", f"mnist-val40-s{s}.metrics.jsonl") for s in (1, 2)}
+runs.update({("0.01", s): os.path.join(here, f"s{s}.metrics.jsonl") for s in (1, 2)})
+rows, curves = [], {}
+for (scale, seed), path in runs.items():
+    if not os.path.exists(path):
+        continue
+    recs = [json.loads(l) for l in open(path) if l.strip()]
+    ev = lambda split: {round(r["epoch"]): r for r in recs if r.get("event") == "eval" and r["split"] == split}
+    val, test = ev("val"), ev("test")
+    epochs = sorted(set(val) & set(test))
+    if not epochs:
+        continue
+    best = max(epochs, key=lambda e: (val[e]["accuracy"], -val[e]["loss"]))
+    last = epochs[-1]
+    rows.append(dict(scale=scale, seed=seed, epochs=last, best=best, val=val[best]["accuracy"],
+                     test=test[best]["accuracy"], last=test[last]["accuracy"]))
+    curves[(scale, seed)] = [(e, val[e]["accuracy"], test[e]["accuracy"]) for e in epochs]
+print("| reconstruction scale | seed | epochs done | best validation (epoch) | its test accuracy | last epoch's test |")
+print("|---|---:|---:|---:|---:|---:|")
+for r in rows:
+    print(f"| {r['scale']} | {r['seed']} | {r['epochs']} | {100 * r['val']:.2f}% ({r['best']}) | "
+          f"{100 * r['test']:.2f}% | {100 * r['last']:.2f}% |")
+print()
+for scale in ("0.0005", "0.01"):
+    sel = [r for r in rows if r["scale"] == scale and r["epochs"] == 40]
+    if sel:
+        t = [100 * r["test"] for r in sel]
+        print(f"scale {scale}: {len(sel)} finished runs, test at the chosen epoch mean {statistics.mean(t):.3f}% "
+              f"(min {min(t):.2f}, max {max(t):.2f})")
+print()
+keys = sorted(curves)
+print("| epoch | " + " | ".join(f"{k[0]} s{k[1]} val / test" for k in keys) + " |")
+print("|---:|" + "---:|" * len(keys))
+byepoch = {k: {e: (v, t) for e, v, t in c} for k, c in curves.items()}
+last = max(e for c in curves.values() for e, _, _ in c)
+for e in [e for e in range(1, last + 1) if e % 5 == 0 or e > last - 6]:
+    cells = [f"{100 * byepoch[k][e][0]:.2f} / {100 * byepoch[k][e][1]:.2f}" if e in byepoch[k] else "" for k in keys]
+    print(f"| {e} | " + " | ".join(cells) + " |")
