@@ -54,17 +54,17 @@ void add_comparison_flags(CLI::App& app, ComparisonFlags& f, const std::string& 
   app.add_option("--steps", f.steps, "Optimizer steps per model (ignored with --epochs)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  const std::string also = epoch_evaluation.empty() ? std::string(" (the test set is scored at the end only)")
+                                                     : " and on " + epoch_evaluation;
+  const std::string otherwise = epoch_evaluation.empty() ? std::string() : ", else on " + epoch_evaluation;
   app.add_option("--epochs", f.epochs,
                  "Train each model for up to this many epochs (0 = --steps steps), evaluating it after each on the "
-                 "validation split with --val" + (epoch_evaluation.empty() ? std::string(" (the test set is scored at "
-                                                                              "the end only)")
-                                                                        : " and on " + epoch_evaluation))
+                 "validation split with --val" + also)
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--target-accuracy", f.target_accuracy,
                  "With --epochs: stop a model at the first epoch whose accuracy reaches this fraction (on the "
-                 "validation split with --val" + (epoch_evaluation.empty() ? "" : ", else on " + epoch_evaluation) +
-                 "; 0 = train all the epochs)")
+                 "validation split with --val" + otherwise + "; 0 = train all the epochs)")
       ->capture_default_str();
   app.add_option("--lr-decay", f.lr_decay, "With --epochs: learning-rate factor per epoch, in (0, 1]")
       ->capture_default_str();

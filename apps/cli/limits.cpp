@@ -41,7 +41,7 @@ const std::map<std::string, Range>& limits() {
       {"--correct", {0, 10000, true}},         {"--figure-wrong", {0, 10000, true}},
       {"--figure-correct", {0, 10000, true}},  {"--figure-rows", {0, 10000, true}},
       {"--figure-examples", {0, 10000, true}}, {"--threshold", {0, 1, false}},
-      {"--stn-size", {0, 1024, true}},         {"--reconstruction-scale", {0, 1000, false}},
+      {"--stn-size", {0, 1024, true}},
       {"--probe", {0, 100000, true}},          {"--port", {0, 65535, true}},
       {"--noise", {0, 1, false}},              {"--max-minutes", {0, 1e6, false}},
       {"--max-body", {1, 1 << 30, true}},      {"--margin-start", {0, 1, false}},

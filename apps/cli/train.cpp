@@ -86,11 +86,11 @@ void add_train_flags(CLI::App& app, TrainFlags& f) {
   add_training_precision_flag(app, f.precision);
   auto* no_reconstruction =
       app.add_flag("--no-reconstruction", f.no_reconstruction, "No decoder and no reconstruction loss");
-  app.add_option("--reconstruction-scale", f.o.model.reconstruction_scale,
+  app.add_option("--recon-weight", f.o.model.reconstruction_scale,
                  "Weight of the reconstruction loss (sum of squared pixel errors) beside the margin loss summed over "
                  "classes: 0.0005 as the paper states. The authors' code averages a halved margin loss over the 10 "
                  "classes (0.05x the paper's), so it trains the equivalent of 0.01")
-      ->check(CLI::Range(0.0, 1000.0))
+      ->check(CLI::Range(0.0, 1e6))
       ->excludes(no_reconstruction)
       ->capture_default_str();
   app.add_flag("--stn", f.o.model.stn, "Spatial transformer in front of the CapsNet (identity at init)");

@@ -135,7 +135,7 @@ TEST_F(CliTest, ReconstructWritesTheFigure) {
   EXPECT_EQ(figure.size(0), rows * (panel_height + 4) + 4);
 }
 
-// --reconstruction-scale weights the reconstruction term of the loss: the same first step (same seed,
+// --recon-weight weights the reconstruction term of the loss: the same first step (same seed,
 // batch and weights) records exactly 20x the reconstruction loss at 0.01 as at the default 0.0005.
 TEST_F(CliTest, ReconstructionScaleWeightsTheReconstructionLoss) {
   auto first_reconstruction_loss = [&](const std::string& name, const std::string& extra) {
@@ -152,12 +152,12 @@ TEST_F(CliTest, ReconstructionScaleWeightsTheReconstructionLoss) {
     return 0.0;
   };
   const double paper = first_reconstruction_loss("scale-default", "");
-  const double authors = first_reconstruction_loss("scale-0.01", " --reconstruction-scale 0.01");
+  const double authors = first_reconstruction_loss("scale-0.01", " --recon-weight 0.01");
   ASSERT_GT(paper, 0.0);
   EXPECT_NEAR(authors / paper, 20.0, 1e-4);
-  auto r = run_command(kCli + " train --data " + data_ + " --steps 1 --no-reconstruction --reconstruction-scale 0.01");
+  auto r = run_command(kCli + " train --data " + data_ + " --steps 1 --no-reconstruction --recon-weight 0.01");
   EXPECT_NE(r.status, 0);
-  expect_contains(r.output, "--no-reconstruction excludes --reconstruction-scale");
+  expect_contains(r.output, "--no-reconstruction excludes --recon-weight");
 }
 
 TEST_F(CliTest, ResumeContinuesFromTheCheckpointStep) {

@@ -5,6 +5,6 @@
 cd /work/main
 s=$1; n=${2:-5}; out=runs/mnist-rs01-s$s
 args=(train --schedule fast --epochs 40 --val 5000 --precision bf16 --seed $s --threads 1
-      --reconstruction-scale 0.01 --out $out --checkpoint-every 550 --no-progress)
+      --recon-weight 0.01 --out $out --checkpoint-every 550 --no-progress)
 if [ -f $out/checkpoint.pt ]; then args+=(--resume $out/checkpoint.pt); fi
 exec nice -n $n build/bin/capsnet "${args[@]}" >> runs/mnist-rs01-s$s.log 2>&1
