@@ -28,6 +28,7 @@ namespace capsnet::apps::cli {
 namespace {
 
 constexpr int64_t kCanvas = data::kDistortedCanvas;
+constexpr float kFigureGrey = 0.35f;  // background of the transforms figure: blank tiles, padding
 
 using Clock = std::chrono::steady_clock;
 
@@ -91,7 +92,7 @@ torch::Tensor transforms_figure(std::vector<train::Classifier*>& runs, const dat
   constexpr int64_t kPairs = 6;
   count = std::min(count, set.size());
   const auto images = data::to_float(set.images.narrow(0, 0, count));  // [count, 1, 42, 42]
-  const auto blank = torch::full({kCanvas, kCanvas}, 0.35f);
+  const auto blank = torch::full({kCanvas, kCanvas}, kFigureGrey);
   std::vector<torch::Tensor> tiles;
   for (size_t k = 0; k < runs.size(); ++k) {
     if (k > 0)
@@ -99,14 +100,15 @@ torch::Tensor transforms_figure(std::vector<train::Classifier*>& runs, const dat
     runs[k]->module->eval();
     auto out = runs[k]->transformer(images).output.clamp(0, 1);  // [count, 1, N, N], N = --stn-size or 42
     if (const int64_t margin = kCanvas - out.size(-1); margin > 0)  // a smaller output sits centred on grey
-      out = torch::constant_pad_nd(out, {margin / 2, margin - margin / 2, margin / 2, margin - margin / 2}, 0.35);
+      out =
+          torch::constant_pad_nd(out, {margin / 2, margin - margin / 2, margin / 2, margin - margin / 2}, kFigureGrey);
     for (int64_t row = 0; row * kPairs < count; ++row)
       for (int64_t i = row * kPairs; i < (row + 1) * kPairs; ++i) {
         tiles.push_back(i < count ? images[i][0] : blank);
         tiles.push_back(i < count ? out[i][0] : blank);
       }
   }
-  return viz::tile(tiles, 2 * kPairs, 2, 0.35f);
+  return viz::tile(tiles, 2 * kPairs, 2, kFigureGrey);
 }
 
 std::vector<RunSpec> grid(const Flags& f) {

@@ -7,10 +7,11 @@
 
 #include "capsnet/kernels/conv_dispatch.h"
 #include "capsnet/models/config_io.h"
+#include "capsnet/models/transformer_front.h"
 
 namespace capsnet::models {
 
-int64_t BaselineCnnConfig::network_size() const { return stn && stn_size > 0 ? stn_size : image_size; }
+int64_t BaselineCnnConfig::network_size() const { return transformer_front::network_side(stn, image_size, stn_size); }
 
 int64_t BaselineCnnConfig::feature_size() const { return pooling ? network_size() / 2 / 2 : network_size(); }
 
@@ -50,14 +51,10 @@ void BaselineCnnConfig::validate() const {
         fmt::format("baseline CNN config: kernel_size must be odd for 'same' padding, got {}", kernel_size));
   if (num_classes < 2)
     throw std::invalid_argument(fmt::format("baseline CNN config: num_classes must be at least 2, got {}", num_classes));
-  if (stn_size < 0)
-    throw std::invalid_argument(fmt::format("baseline CNN config: stn_size must be >= 0, got {}", stn_size));
-  if (stn_size > 0 && !stn)
-    throw std::invalid_argument(
-        fmt::format("baseline CNN config: stn_size {} needs stn (the transformer's output side)", stn_size));
+  transformer_front::validate("baseline CNN config", stn, stn_size);
   if (feature_size() < 1)
     throw std::invalid_argument(fmt::format("baseline CNN config: {} {} is too small for two 2x2 poolings (needs >= 4)",
-                                            stn_size > 0 ? "stn_size" : "image_size", network_size()));
+                                            transformer_front::side_field(stn, stn_size), network_size()));
   if (!(dropout >= 0 && dropout < 1))
     throw std::invalid_argument(fmt::format("baseline CNN config: dropout must be in [0, 1), got {}", dropout));
 }
@@ -84,10 +81,8 @@ void BaselineCnnImpl::reset() {
   out = register_module("out", torch::nn::Linear(config.fc2_units, config.num_classes));
   drop = register_module("drop", torch::nn::Dropout(torch::nn::DropoutOptions(config.dropout)));
   if (config.stn)
-    stn = register_module("stn", nn::SpatialTransformer(nn::SpatialTransformerOptions(
-                                                            config.image_channels, config.image_size, config.image_size)
-                                                            .output_height(config.network_size())
-                                                            .output_width(config.network_size())));
+    stn = register_module("stn",
+                          transformer_front::make(config.image_channels, config.image_size, config.network_size()));
 }
 
 torch::Tensor BaselineCnnImpl::forward(const torch::Tensor& images) {

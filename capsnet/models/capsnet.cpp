@@ -8,10 +8,11 @@
 
 #include "capsnet/kernels/conv_dispatch.h"
 #include "capsnet/models/config_io.h"
+#include "capsnet/models/transformer_front.h"
 
 namespace capsnet::models {
 
-int64_t CapsNetConfig::network_size() const { return stn && stn_size > 0 ? stn_size : image_size; }
+int64_t CapsNetConfig::network_size() const { return transformer_front::network_side(stn, image_size, stn_size); }
 
 int64_t CapsNetConfig::conv1_grid() const { return network_size() - conv1_kernel + 1; }
 
@@ -35,14 +36,11 @@ void CapsNetConfig::validate() const {
   positive("digit_dim", digit_dim);
   positive("routing_iterations", routing_iterations);
   if (num_classes < 2) throw std::invalid_argument("model config: num_classes must be at least 2");
-  if (stn_size < 0) throw std::invalid_argument(fmt::format("model config: stn_size must be >= 0, got {}", stn_size));
-  if (stn_size > 0 && !stn)
-    throw std::invalid_argument(
-        fmt::format("model config: stn_size {} needs stn (the transformer's output side)", stn_size));
+  transformer_front::validate("model config", stn, stn_size);
   if (conv1_grid() < primary_kernel)
-    throw std::invalid_argument(fmt::format(
-        "model config: {} {} is too small for conv1_kernel {} followed by primary_kernel {}",
-        stn_size > 0 ? "stn_size" : "image_size", network_size(), conv1_kernel, primary_kernel));
+    throw std::invalid_argument(
+        fmt::format("model config: {} {} is too small for conv1_kernel {} followed by primary_kernel {}",
+                    transformer_front::side_field(stn, stn_size), network_size(), conv1_kernel, primary_kernel));
   if (!(reconstruction_scale >= 0) || !std::isfinite(reconstruction_scale))
     throw std::invalid_argument("model config: reconstruction_scale must be a finite number >= 0");
   // A crafted config must fail here with a sentence, not in an allocation of terabytes.
@@ -95,10 +93,8 @@ void CapsNetImpl::reset() {
                               nn::Decoder(nn::DecoderOptions(config.num_classes * config.digit_dim, pixels)));
   }
   if (config.stn)
-    stn = register_module("stn", nn::SpatialTransformer(nn::SpatialTransformerOptions(
-                                                            config.image_channels, config.image_size, config.image_size)
-                                                            .output_height(config.network_size())
-                                                            .output_width(config.network_size())));
+    stn = register_module("stn",
+                          transformer_front::make(config.image_channels, config.image_size, config.network_size()));
 }
 
 CapsNetOutput CapsNetImpl::forward(const torch::Tensor& images, const std::optional<torch::Tensor>& labels) {
