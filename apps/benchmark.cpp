@@ -48,22 +48,25 @@ double quantile(std::vector<double> v, double q) {
   return v[std::max<size_t>(rank, 1) - 1];
 }
 
-double forward_flops_per_image(const models::CapsNetConfig& c) {
+ForwardFlops forward_flops(const models::CapsNetConfig& c) {
   const double conv1_side = static_cast<double>(c.image_size - c.conv1_kernel + 1);
   const double grid = static_cast<double>(c.primary_grid());
   const double children = static_cast<double>(c.num_primary_caps());
   const double parents = static_cast<double>(c.num_classes), dd = static_cast<double>(c.digit_dim);
-  const double conv1 = 2 * conv1_side * conv1_side * static_cast<double>(c.conv1_channels) *
-                       static_cast<double>(c.conv1_kernel * c.conv1_kernel * c.image_channels);
-  const double primary = 2 * grid * grid * static_cast<double>(c.primary_types * c.primary_dim) *
-                         static_cast<double>(c.primary_kernel * c.primary_kernel * c.conv1_channels);
-  const double u_hat = 2 * children * parents * dd * static_cast<double>(c.primary_dim);
-  // Each iteration: s_j = sum_i c_ij u_hat_j|i and the agreement u_hat_j|i . v_j.
-  const double routing = 4 * children * parents * dd * static_cast<double>(c.routing_iterations);
   const double pixels = static_cast<double>(c.image_size * c.image_size * c.image_channels);
-  const double decoder = c.reconstruction ? 2 * (parents * dd * 512 + 512 * 1024 + 1024 * pixels) : 0;
-  return conv1 + primary + u_hat + routing + decoder;
+  ForwardFlops f;
+  f.conv1 = 2 * conv1_side * conv1_side * static_cast<double>(c.conv1_channels) *
+            static_cast<double>(c.conv1_kernel * c.conv1_kernel * c.image_channels);
+  f.primary = 2 * grid * grid * static_cast<double>(c.primary_types * c.primary_dim) *
+              static_cast<double>(c.primary_kernel * c.primary_kernel * c.conv1_channels);
+  f.predictions = 2 * children * parents * dd * static_cast<double>(c.primary_dim);
+  // Each iteration: s_j = sum_i c_ij u_hat_j|i and the agreement u_hat_j|i . v_j.
+  f.routing = 4 * children * parents * dd * static_cast<double>(c.routing_iterations);
+  f.decoder = c.reconstruction ? 2 * (parents * dd * 512 + 512 * 1024 + 1024 * pixels) : 0;
+  return f;
 }
+
+double forward_flops_per_image(const models::CapsNetConfig& c) { return forward_flops(c).total(); }
 
 double gemm_gflops(torch::ScalarType dtype, int64_t n, int repeats) {
   torch::NoGradGuard no_grad;

@@ -41,6 +41,13 @@ BenchResult run_benchmark(const BenchOptions& options);
 /// weight gradients: two forward passes' worth); the squash, softmax and losses are negligible.
 double forward_flops_per_image(const models::CapsNetConfig& config);
 
+/// forward_flops_per_image by stage (FLOPs of one image's forward pass through each).
+struct ForwardFlops {
+  double conv1 = 0, primary = 0, predictions = 0, routing = 0, decoder = 0;
+  double total() const { return conv1 + primary + predictions + routing + decoder; }
+};
+ForwardFlops forward_flops(const models::CapsNetConfig& config);
+
 /// Sustained GFLOP/s of an n x n x n matrix product in `dtype` (kFloat or kBFloat16) on this process's
 /// threads, best of `repeats` after one warm-up: the machine's practical peak that `capsnet bench`
 /// reports its step throughput against.

@@ -1,12 +1,22 @@
 // Google Benchmark micro-benchmarks of the layers a CapsNet step spends its time in, at the paper's
 // sizes: DigitCaps (fused routing op vs predictions() + dynamic_routing), the PrimaryCaps convolution,
-// forward and forward+backward, batch 100 and batch 1. The end-to-end comparison with the
-// plain-PyTorch peer is `capsnet bench`; this is for looking inside a step.
+// forward and forward+backward, batch 100 and batch 1; and every stage of a training step in both precisions
+// beside the GEMM probe (GemmProbe, Stages). The end-to-end comparison with the plain-PyTorch peer is
+// `capsnet bench`; this is for looking inside a step.
 //   build/bench/capsnet_bench_layers --benchmark_filter=DigitCaps --benchmark_repetitions=3
+//   build/bench/capsnet_bench_layers --benchmark_filter='GemmProbe|Stages' --benchmark_repetitions=3 \
+//     --benchmark_format=json > stages.json && python3 bench/stage_table.py stages.json
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
+#include <functional>
+
+#include "apps/benchmark.h"
+#include "capsnet/kernels/conv_dispatch.h"
+#include "capsnet/kernels/fused_adam.h"
+#include "capsnet/kernels/precision.h"
 #include "capsnet/kernels/spectral_conv.h"
+#include "capsnet/models/capsnet.h"
 #include "capsnet/nn/capsule_linear.h"
 #include "capsnet/nn/primary_caps.h"
 #include "apps/runtime.h"
@@ -80,6 +90,97 @@ void ConvPathsBf16(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * B);
 }
 
+// One stage of the paper's CapsNet training step at batch 100, 28x28, in either precision (args: {stage,
+// bf16 (0/1)}), run through the model's own modules and dispatch as training runs them; and the GEMM probe
+// each is compared with. Counter GFLOP/s: nominal FLOPs (apps::forward_flops: the direct convolutions'
+// count) per second of forward + backward: Conv1 2x its forward (no input gradient), every other stage 3x;
+// "step" is the whole step (forward, loss, backward, fused Adam), "adam" the optimizer step alone (no
+// FLOP count). bench/stage_table.py turns the JSON output into docs/kernels.md's per-stage table.
+enum Stage : int64_t { kConv1, kPrimary, kDigit, kDecoder, kAdam, kStep };
+
+void Stages(benchmark::State& state) {
+  const auto stage = static_cast<Stage>(state.range(0));
+  const bool bf16 = state.range(1);
+  if (bf16 && !capsnet::cpu_has_native_bf16()) {
+    state.SkipWithError("this CPU has no native bf16");
+    return;
+  }
+  const auto precision = bf16 ? capsnet::Precision::kBFloat16 : capsnet::Precision::kFloat32;
+  const int64_t B = 100;
+  torch::manual_seed(0);
+  capsnet::models::CapsNetConfig config;  // the paper's model
+  capsnet::models::CapsNet net(config);
+  net->set_precision(precision);
+  auto adam = capsnet::kernels::make_adam(net->parameters(), torch::optim::AdamOptions(1e-3));
+  const auto f = capsnet::apps::forward_flops(config);
+  auto images = torch::rand({B, 1, 28, 28});  // images: [B, 1, 28, 28]
+  auto labels = torch::randint(10, {B}, torch::kLong);
+  // Each stage's input as training hands it over, detached so that only the stage runs backward.
+  auto conv1_out = capsnet::kernels::conv2d_at(net->conv1, images, precision, nullptr).detach();  // [B, 256, 20, 20]
+  auto u = net->primary_caps(conv1_out, precision, /*relu_input=*/true).detach();                  // u: [B, 1152, 8]
+  auto masked = (torch::randn({B, 160}) * 0.1).requires_grad_();                                  // [B, J * D]
+  conv1_out.requires_grad_();
+  u.requires_grad_();
+  std::function<void()> run;
+  double flops = 0;  // per image
+  switch (stage) {
+    case kConv1:
+      run = [&] { capsnet::kernels::conv2d_at(net->conv1, images, precision, nullptr).sum().backward(); };
+      flops = 2 * f.conv1;
+      break;
+    case kPrimary:
+      run = [&] { net->primary_caps(conv1_out, precision, true).sum().backward(); };
+      flops = 3 * f.primary;
+      break;
+    case kDigit:
+      run = [&] { net->digit_caps(u).sum().backward(); };
+      flops = 3 * (f.predictions + f.routing);
+      break;
+    case kDecoder:
+      run = [&] { net->decoder(masked, precision).sum().backward(); };
+      flops = 3 * f.decoder;
+      break;
+    case kAdam:
+      for (auto& p : net->parameters()) p.mutable_grad() = torch::randn_like(p) * 1e-3;
+      run = [&] { adam->step(); };
+      break;
+    case kStep:
+      run = [&] {
+        adam->zero_grad();
+        auto out = net->forward(images, labels);
+        net->loss(out, images, labels).total.backward();
+        adam->step();
+      };
+      flops = 2 * f.conv1 + 3 * (f.total() - f.conv1);
+      break;
+  }
+  for (int i = 0; i < 2; ++i) run();  // warm-up: caches, oneDNN primitives, Adam state
+  for (auto _ : state) run();
+  state.SetItemsProcessed(state.iterations() * B);
+  if (flops > 0)
+    state.counters["GFLOP/s"] =
+        benchmark::Counter(flops * static_cast<double>(B) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// The GEMM probe of `capsnet bench` (2048^3 matrix product) as a benchmark, so that the stages' rates are
+// compared with the machine's in the same run. args: {bf16 (0/1)}.
+void GemmProbe(benchmark::State& state) {
+  const bool bf16 = state.range(0);
+  if (bf16 && !capsnet::cpu_has_native_bf16()) {
+    state.SkipWithError("this CPU has no native bf16");
+    return;
+  }
+  double gflops = 0;
+  for (auto _ : state) gflops = capsnet::apps::gemm_gflops(bf16 ? torch::kBFloat16 : torch::kFloat);
+  state.counters["GFLOP/s"] = gflops;
+}
+
+BENCHMARK(GemmProbe)->ArgNames({"bf16"})->Args({0})->Args({1})->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(Stages)
+    ->ArgNames({"stage", "bf16"})
+    ->ArgsProduct({{kConv1, kPrimary, kDigit, kDecoder, kAdam, kStep}, {0, 1}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(DigitCaps)
     ->ArgNames({"batch", "fused", "backward", "inputs"})
     ->ArgsProduct({{1, 100}, {1, 0}, {0, 1}, {1152, 4608}})

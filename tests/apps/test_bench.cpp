@@ -145,6 +145,12 @@ TEST(BenchmarkTest, ForwardFlopsOfThePaperModelAddUpByHand) {
   // + decoder 2*(160*512 + 512*1024 + 1024*784).
   const double expected = 16588800.0 + 382205952.0 + 2949120.0 + 2211840.0 + 2818048.0;
   EXPECT_DOUBLE_EQ(apps::forward_flops_per_image(models::CapsNetConfig{}), expected);
+  const auto stages = apps::forward_flops(models::CapsNetConfig{});
+  EXPECT_DOUBLE_EQ(stages.conv1, 16588800.0);
+  EXPECT_DOUBLE_EQ(stages.primary, 382205952.0);
+  EXPECT_DOUBLE_EQ(stages.predictions, 2949120.0);
+  EXPECT_DOUBLE_EQ(stages.routing, 2211840.0);
+  EXPECT_DOUBLE_EQ(stages.decoder, 2818048.0);
   models::CapsNetConfig no_decoder;
   no_decoder.reconstruction = false;
   EXPECT_DOUBLE_EQ(apps::forward_flops_per_image(no_decoder), expected - 2818048.0);
