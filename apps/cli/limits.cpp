@@ -57,6 +57,7 @@ const std::map<std::string, Range>& limits() {
       {"--recon-weight", {0, 1e6, false}},     {"--target-accuracy", {0, 1, false}},
       {"--eval-every", {0, 1e9, true}},       {"--lr-decay-steps", {0, 1e9, true}},
       {"--val", {0, 1e9, true}},              {"--mode-seeking", {0, 1e6, false}},
+      {"--ema-decay", {0, 0.999999, false}},
       {"--cnn-channels", {1, 4096, true}},     {"--patience", {0, 1e9, true}},
   };
   return table;

@@ -60,6 +60,12 @@ void add_train_flags(CLI::App& app, TrainFlags& f) {
                  "test set, the best epoch kept as best.pt (0 = none)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--ema-decay", f.o.loop.ema_decay,
+                 "Keep an exponential moving average of the weights with this decay (e.g. 0.999; 0 = none): it is "
+                 "what is evaluated, chosen by --val and kept in best.pt; the trained weights' accuracy is shown "
+                 "beside it")
+      ->check(CLI::Range(0.0, 0.999999))
+      ->capture_default_str();
   app.add_option("--schedule", f.schedule,
                  "Training recipe: paper (the authors' code: Adam 1e-3, x0.96 every 2,000 steps, 1 epoch unless "
                  "--epochs) or fast (one-cycle to 3e-3 over 5 epochs unless --epochs); explicit flags override it")
@@ -136,11 +142,12 @@ void apply_train_flags(TrainFlags& f, const CLI::App& app) {
 void report_training(const TrainFlags& f, const train::TrainResult& r) {
   std::cout << fmt::format("trained steps {}..{} in {:.1f} s ({:.1f} img/s)\n", r.start_step, r.steps, r.seconds,
                            r.images_per_second);
+  const std::string weights = f.o.loop.ema_decay > 0 ? " (weight average)" : "";
   if (r.test)
-    std::cout << fmt::format("test accuracy: {:.2f}% (error {:.2f}%) on {} images\n", 100 * r.test->accuracy,
+    std::cout << fmt::format("test accuracy{}: {:.2f}% (error {:.2f}%) on {} images\n", weights, 100 * r.test->accuracy,
                              100 * (1 - r.test->accuracy), r.test->examples);
   if (r.validation)
-    std::cout << fmt::format("validation accuracy: {:.2f}% on {} images; best {:.2f}% at step {} ({})\n",
+    std::cout << fmt::format("validation accuracy{}: {:.2f}% on {} images; best {:.2f}% at step {} ({})\n", weights,
                              100 * r.validation->accuracy, r.validation->examples,
                              100 * r.best_validation_accuracy.value_or(0), r.best_validation_step,
                              train::best_checkpoint_path(f.o.loop.out_dir));

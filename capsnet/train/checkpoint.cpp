@@ -260,7 +260,7 @@ void save_checkpoint(const std::string& path, models::CapsNet& model, torch::opt
 }
 
 void save_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
-                     const CheckpointMeta& meta) {
+                     const CheckpointMeta& meta, const NamedTensors& weight_average) {
   nlohmann::json j = {{"format", kFormat},
                       {"version", kVersion},
                       {"step", meta.step},
@@ -277,6 +277,11 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, torch::o
     torch::serialize::OutputArchive optimizer_archive;
     optimizer->save(optimizer_archive);
     payload.write("optimizer", optimizer_archive);
+  }
+  if (!weight_average.empty()) {
+    torch::serialize::OutputArchive average_archive;
+    for (const auto& [name, t] : weight_average) average_archive.write(name, t);
+    payload.write("weight_average", average_archive);
   }
   {
     auto gen = at::detail::getDefaultCPUGenerator();
@@ -314,7 +319,8 @@ CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, 
 }
 
 CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
-                               const std::function<bool(const nlohmann::json&)>& config_matches) {
+                               const std::function<bool(const nlohmann::json&)>& config_matches,
+                               NamedTensors* weight_average, bool* average_found) {
   auto checked = open_checked(path);
   const auto& meta = checked.meta;
   auto& archive = checked.contents();
@@ -343,6 +349,22 @@ CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model
       if (!archive.try_read("optimizer", optimizer_archive))
         throw CheckpointError(fmt::format("checkpoint {}: has no optimizer state (cannot resume)", path));
       optimizer->load(optimizer_archive);
+    }
+    if (average_found) *average_found = false;
+    torch::serialize::InputArchive average_archive;
+    if (weight_average && archive.try_read("weight_average", average_archive)) {
+      // Read all first, so that a misfit leaves the caller's tensors unchanged.
+      std::vector<torch::Tensor> stored;
+      for (const auto& [name, t] : *weight_average) {
+        torch::Tensor s;
+        if (!average_archive.try_read(name, s) || s.sizes() != t.sizes())
+          throw CheckpointError(
+              fmt::format("checkpoint {}: its weight average does not fit the model (tensor {})", path, name));
+        stored.push_back(s);
+      }
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < stored.size(); ++i) (*weight_average)[i].second.copy_(stored[i]);
+      if (average_found) *average_found = true;
     }
     torch::Tensor rng;
     if (archive.try_read("rng_cpu", rng)) {

@@ -18,6 +18,7 @@
 #include "capsnet/models/baseline_cnn.h"
 #include "capsnet/models/capsnet.h"
 #include "capsnet/models/matrix_capsnet.h"
+#include "capsnet/train/weight_average.h"
 
 namespace capsnet::train {
 
@@ -33,9 +34,10 @@ struct CheckpointMeta {
   nlohmann::json train_options;  // what produced it (informational; used to check a resume)
 };
 
-/// Writes model, optimizer state (when given), the default CPU generator state and meta to `path`.
+/// Writes model, optimizer state (when given), the default CPU generator state, meta and (when not empty) a
+/// weight average (weight_average.h) to `path`.
 void save_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
-                     const CheckpointMeta& meta);
+                     const CheckpointMeta& meta, const NamedTensors& weight_average = {});
 void save_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer,
                      const CheckpointMeta& meta);
 
@@ -47,8 +49,11 @@ CheckpointMeta read_checkpoint_meta(const std::string& path);
 /// The model must have been built with the checkpoint's model config.
 CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer);
 /// Any module: `config_matches` says whether the stored model config describes `model` (CheckpointError if not).
+/// With `weight_average`, a stored average of the same count and shapes is copied into its tensors and
+/// `*average_found` says whether the file had one (CheckpointError when it has one that does not fit).
 CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
-                               const std::function<bool(const nlohmann::json&)>& config_matches);
+                               const std::function<bool(const nlohmann::json&)>& config_matches,
+                               NamedTensors* weight_average = nullptr, bool* average_found = nullptr);
 
 /// Writes `bytes` to `path` atomically: a temp file `<path>.tmp.<pid>` (parent directories created), write,
 /// fsync, rename, fsync of the directory, so readers see the old or the new file, never a partial one.

@@ -16,6 +16,7 @@
 #include "capsnet/train/gradients.h"
 #include "capsnet/train/json_input.h"
 #include "capsnet/train/metrics.h"
+#include "capsnet/train/weight_average.h"
 
 namespace capsnet::train {
 namespace {
@@ -239,6 +240,8 @@ void LoopOptions::validate() const {
     fail("target_accuracy needs evaluate_each_epoch: the target is checked at every epoch's evaluation");
   if (eval_every < 0) fail(fmt::format("eval_every must be >= 0 (0 = only at epoch ends), got {}", eval_every));
   if (patience_steps < 0) fail(fmt::format("patience_steps must be >= 0 (0 = no early stop), got {}", patience_steps));
+  if (!(ema_decay == 0 || (ema_decay > 0 && ema_decay < 1)))
+    fail(fmt::format("ema_decay must be in (0, 1) (0 = no weight average), got {}", ema_decay));
   if (out_dir.empty()) fail("out_dir must not be empty");
 }
 
@@ -258,6 +261,7 @@ nlohmann::json LoopOptions::to_json() const {
   if (target_accuracy > 0) j["target_accuracy"] = target_accuracy;
   if (eval_every > 0) j["eval_every"] = eval_every;
   if (patience_steps > 0) j["patience_steps"] = patience_steps;
+  j["ema_decay"] = ema_decay;
   return j;
 }
 
@@ -314,7 +318,8 @@ class LoopRun {
   void describe_options() {
     options_json_ = options_.to_json();
     options_json_["task"] = task_.name();
-    resume_keys_ = {"task", "batch_size", "lr", "lr_decay", "lr_decay_steps", "lr_schedule", "weight_decay", "seed"};
+    resume_keys_ = {"task",        "batch_size",   "lr",   "lr_decay", "lr_decay_steps",
+                    "lr_schedule", "weight_decay", "seed", "ema_decay"};
     total_steps_ = options_.max_steps > 0 ? options_.max_steps : schedule_.total_steps(options_.epochs);
     if (options_.lr_schedule == LrSchedule::kOneCycle) {
       // The cycle spans the whole run: resuming with another length would change every later rate.
@@ -336,6 +341,7 @@ class LoopRun {
     if (group_ && task_.steps_itself())
       throw std::invalid_argument(
           fmt::format("{}: this task makes its own optimizer updates and runs in one process only", task_.label()));
+    if (options_.ema_decay > 0) average_.emplace(*model_, options_.ema_decay);
     optimizer_ = task_.make_optimizer(*model_, options_);
     if (!optimizer_)
       optimizer_ = kernels::make_adam(model_->parameters(),
@@ -350,10 +356,21 @@ class LoopRun {
       saved_options["lr_schedule"] = "exponential";  // checkpoints from before the option had only this one
     if (saved_options.is_object() && !saved_options.contains("lr_decay_steps"))
       saved_options["lr_decay_steps"] = 0;  // before the option, the rate decayed per epoch
+    if (saved_options.is_object() && !saved_options.contains("ema_decay"))
+      saved_options["ema_decay"] = 0.0;  // before the option, no run averaged its weights
     check_resume_compatible(saved_options, options_json_, resume_keys_, options_.resume);
-    step_ = load_checkpoint(options_.resume, *model_, optimizer_.get(), [&](const nlohmann::json& saved) {
-              return task_.config_matches(saved);
-            }).step;
+    bool average_found = false;
+    step_ = load_checkpoint(
+                options_.resume, *model_, optimizer_.get(),
+                [&](const nlohmann::json& saved) { return task_.config_matches(saved); },
+                average_ ? &average_->tensors() : nullptr, &average_found)
+                .step;
+    // ema_decay is a resume key, so only a damaged or hand-made file gets here without its average.
+    if (average_ && !average_found)
+      throw CheckpointError(
+          fmt::format("checkpoint {}: holds no weight average (ema_decay {}), so the run cannot "
+                      "continue exactly",
+                      options_.resume, options_.ema_decay));
     log_ << fmt::format("resumed from {} at step {}\n", options_.resume, step_);
     best_ = BestValidation::from_json(meta.train_options);
   }
@@ -428,6 +445,7 @@ class LoopRun {
     Scalars scalars;
     const double loss_value = train_on(rows, len, epoch, scalars);
     ++step_;
+    if (average_) average_->update(step_);
 
     run_seconds_ += seconds_since(t0);
     result_.images += len;
@@ -549,7 +567,16 @@ class LoopRun {
     }
     if ((options_.checkpoint_every > 0 && step_ % options_.checkpoint_every == 0) || epoch_end || new_best) save();
     if (lead_ && new_best) {
-      copy_file_atomically(ckpt_, best_checkpoint_path(options_.out_dir));
+      if (average_) {
+        // best.pt holds the weights the validation chose: the average (and, as a checkpoint, the rest).
+        WeightAverage::Swap averaged(*average_);
+        auto options = best_.into(options_json_);
+        options["weights"] = "average";
+        save_checkpoint(best_checkpoint_path(options_.out_dir), *model_, optimizer_.get(),
+                        {step_, task_.model_config(), options}, average_->tensors());
+      } else {
+        copy_file_atomically(ckpt_, best_checkpoint_path(options_.out_dir));
+      }
       metrics_.write({{"event", "best"},
                       {"step", step_},
                       {"epoch", schedule_.epochs_done(step_)},
@@ -568,9 +595,22 @@ class LoopRun {
   }
 
   /// Runs one of the task's evaluations and writes its "eval" record (rank 0 only; the caller checks lead_).
+  /// With a weight average, the evaluation is the average's, and the trained weights' accuracy (or loss)
+  /// follows in the record as "trained_accuracy" ("trained_loss") and at the end of the summary. The trained
+  /// weights go first, so that the average's is the task's last evaluation (what its result reports).
   std::optional<Evaluation> evaluate_split(const char* split) {
     auto* bar_stream = progress_ ? &std::cerr : nullptr;
-    auto e = std::string(split) == "val" ? task_.evaluate_validation(bar_stream) : task_.evaluate(bar_stream);
+    auto evaluate = [&] {
+      return std::string(split) == "val" ? task_.evaluate_validation(bar_stream) : task_.evaluate(bar_stream);
+    };
+    const auto trained = average_ ? evaluate() : std::nullopt;
+    std::optional<Evaluation> e;
+    if (average_) {
+      WeightAverage::Swap averaged(*average_);
+      e = evaluate();
+    } else {
+      e = evaluate();
+    }
     if (e) {
       nlohmann::json record = {{"event", "eval"},
                                {"split", split},
@@ -578,6 +618,17 @@ class LoopRun {
                                {"epoch", schedule_.epochs_done(step_)},
                                {"train_seconds", run_seconds_}};
       record.update(e->record);
+      if (average_) {
+        record["weights"] = "average";
+        std::string note = " [weight average";
+        const auto& t = trained ? trained->record : nlohmann::json::object();
+        if (const auto acc = BestValidation::number(t, "accuracy")) {
+          record["trained_accuracy"] = *acc;
+          note += fmt::format("; trained weights {:.2f}%", 100 * *acc);
+        }
+        if (const auto loss = BestValidation::number(t, "loss")) record["trained_loss"] = *loss;
+        e->summary += note + "]";
+      }
       metrics_.write(record);
     }
     return e;
@@ -671,7 +722,8 @@ class LoopRun {
       throw TrainingDiverged(
           fmt::format("{}: weights are not finite at step {}; not saving. {}", task_.label(), step_, last_good()));
     if (lead_)
-      save_checkpoint(ckpt_, *model_, optimizer_.get(), {step_, task_.model_config(), best_.into(options_json_)});
+      save_checkpoint(ckpt_, *model_, optimizer_.get(), {step_, task_.model_config(), best_.into(options_json_)},
+                      average_ ? average_->tensors() : NamedTensors{});
     if (stale_best_) {
       std::error_code ignored;  // none there is the usual case
       std::filesystem::remove(best_checkpoint_path(options_.out_dir), ignored);
@@ -723,6 +775,7 @@ class LoopRun {
   std::string ckpt_;
   std::shared_ptr<torch::nn::Module> model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::optional<WeightAverage> average_;  // options_.ema_decay > 0
   std::optional<GradientReducer> reducer_;
   JsonLinesWriter metrics_;  // not open on ranks other than 0: writes nothing
 

@@ -160,6 +160,12 @@ struct LoopOptions {
   /// when the best validation is at least this many steps old; the stop is saved, validated and tested
   /// like a last step. Needs a task with a validation split. Not a resume key.
   int64_t patience_steps = 0;
+  /// > 0 (in (0, 1), e.g. 0.999): keep an exponential moving average of the weights (weight_average.h) and
+  /// evaluate it at every evaluation point, beside the trained weights: the average's validation accuracy
+  /// picks best.pt, which then holds the averaged weights, and the "eval" records and log lines are the
+  /// average's (the trained weights' accuracy follows as "trained_accuracy"). checkpoint.pt holds both. A
+  /// resume key.
+  double ema_decay = 0;
 
   /// Throws std::invalid_argument naming the first bad option (by field name).
   void validate() const;

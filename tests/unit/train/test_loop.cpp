@@ -58,11 +58,13 @@ class RegressionTask : public train::Task {
     ++evaluations;
     torch::NoGradGuard no_grad;
     const double mse = (model_(x_).squeeze(1) - y_).pow(2).mean().item<double>();
+    last_mse = mse;
     return train::Evaluation{{{"mse", mse}}, "mse"};
   }
 
   mutable std::vector<torch::Tensor> seen;  // ids of every batch asked for
   int64_t steps = 0, evaluations = 0, nan_at_step = -1;
+  double last_mse = 0;  // of the last evaluation
   torch::nn::Linear model_{nullptr};
 
  private:
@@ -558,6 +560,103 @@ TEST(LoopTest, LossOnlyValidationKeepsTheLowestAndPatienceStopsTheRun) {
   EXPECT_EQ(train::read_checkpoint_meta(train::best_checkpoint_path(c.out_dir)).step, 20);
 }
 
+/// The weight average of a checkpoint (LoopOptions::ema_decay), read into tensors shaped like `model`'s.
+train::NamedTensors stored_average(const std::string& path, torch::nn::Linear& model) {
+  train::NamedTensors average;
+  for (const auto& p : model->parameters())
+    average.emplace_back(fmt::format("p{}", average.size()), torch::zeros_like(p));
+  bool found = false;
+  train::load_checkpoint(
+      path, *model, nullptr, [](const nlohmann::json&) { return true; }, &average, &found);
+  EXPECT_TRUE(found) << path;
+  return average;
+}
+
+TEST(LoopTest, AWeightAverageIsWhatIsEvaluatedAndResumesExactly) {
+  TempDir dir;
+  std::ostringstream log;
+  RegressionTask a(10, true), b(10, true), c(10, true);
+  auto full = options(dir / "full");
+  full.max_steps = 7;
+  full.ema_decay = 0.8;
+  auto ra = train::run(a, full, log);
+  auto evals = records(full.out_dir, "eval");
+  ASSERT_FALSE(evals.empty());
+  EXPECT_EQ(evals.back()["weights"], "average");
+  EXPECT_EQ(records(full.out_dir, "start").at(0)["train"]["ema_decay"], 0.8);
+
+  // The last evaluation is the average's: the mse of the averaged weights, not of the trained ones.
+  const double last_evaluated = a.last_mse;  // what a task's result reports (e.g. capsnet train's last test)
+  torch::nn::Linear probe(3, 1);
+  const auto average = stored_average(ra.checkpoint, probe);
+  const auto trained_mse = a.evaluate(nullptr)->record["mse"].get<double>();
+  {
+    torch::NoGradGuard no_grad;
+    a.model_->weight.copy_(average[0].second);
+    a.model_->bias.copy_(average[1].second);
+  }
+  const auto average_mse = a.evaluate(nullptr)->record["mse"].get<double>();
+  EXPECT_EQ(evals.back()["mse"].get<double>(), average_mse);
+  EXPECT_EQ(last_evaluated, average_mse) << "the average is evaluated last, after the trained weights";
+  EXPECT_NE(average_mse, trained_mse);
+
+  // Interrupted after 4 steps and resumed: the same losses and, bit for bit, the same average.
+  auto part = full;
+  part.out_dir = dir / "part";
+  part.max_steps = 4;
+  auto rb = train::run(b, part, log);
+  auto rest = full;
+  rest.out_dir = dir / "rest";
+  rest.resume = rb.checkpoint;
+  auto rc = train::run(c, rest, log);
+  ASSERT_EQ(rc.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(rc.losses[i], ra.losses[i + 4]) << "step " << i + 4;
+  torch::nn::Linear probe2(3, 1);
+  const auto resumed = stored_average(rc.checkpoint, probe2);
+  for (size_t i = 0; i < 2; ++i) EXPECT_TRUE(torch::equal(resumed[i].second, average[i].second)) << i;
+
+  // The decay is a resume key: another value (or none) would not continue the same average.
+  RegressionTask d(10, true);
+  auto changed = rest;
+  changed.out_dir = dir / "changed";
+  changed.ema_decay = 0;
+  try {
+    train::run(d, changed, log);
+    FAIL() << "expected a refused resume";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("option ema_decay"), std::string::npos) << e.what();
+  }
+}
+
+TEST(LoopTest, WithAWeightAverageTheValidationOfTheAveragePicksBestPtWhichHoldsIt) {
+  TempDir dir;
+  std::ostringstream log;
+  // Each validation point evaluates the trained weights, then the average: steps 3 and 6.
+  ScriptedTask task(ScriptedTask::Split::kValidation, {0.99, 0.5, 0.1, 0.9});
+  auto o = options(dir / "run");
+  o.epochs = 2;  // 3 steps per epoch
+  o.ema_decay = 0.5;
+  auto r = train::run(task, o, log);
+  EXPECT_EQ(r.best_validation_step, 6) << "0.9 (average) beats 0.5; the trained weights' 0.99 chooses nothing";
+  std::vector<nlohmann::json> vals;
+  for (const auto& j : records(o.out_dir, "eval"))
+    if (j["split"] == "val") vals.push_back(j);
+  ASSERT_EQ(vals.size(), 2u);
+  EXPECT_EQ(vals[0]["accuracy"], 0.5);
+  EXPECT_EQ(vals[0]["trained_accuracy"], 0.99);
+  EXPECT_EQ(vals[0]["weights"], "average");
+  EXPECT_NE(log.str().find("[weight average; trained weights 99.00%]"), std::string::npos) << log.str();
+
+  const auto best = train::best_checkpoint_path(o.out_dir);
+  EXPECT_EQ(train::read_checkpoint_meta(best).train_options["weights"], "average");
+  torch::nn::Linear from_best(3, 1), from_last(3, 1), probe(3, 1);
+  train::load_checkpoint(best, *from_best, nullptr, [](const nlohmann::json&) { return true; });
+  train::load_checkpoint(r.checkpoint, *from_last, nullptr, [](const nlohmann::json&) { return true; });
+  const auto average = stored_average(r.checkpoint, probe);  // the same step as best.pt
+  EXPECT_TRUE(torch::equal(from_best->weight, average[0].second)) << "best.pt's model is the average";
+  EXPECT_FALSE(torch::equal(from_last->weight, average[0].second)) << "checkpoint.pt's model is the trained one";
+}
+
 TEST(LoopTest, BadOptionsNameTheField) {
   TempDir dir;
   RegressionTask task(10, true);
@@ -582,6 +681,8 @@ TEST(LoopTest, BadOptionsNameTheField) {
   expect_field([](auto& o) { o.target_accuracy = 0.9, o.evaluate_each_epoch = false; }, "evaluate_each_epoch");
   expect_field([](auto& o) { o.eval_every = -1; }, "eval_every");
   expect_field([](auto& o) { o.patience_steps = -1; }, "patience_steps");
+  expect_field([](auto& o) { o.ema_decay = 1; }, "ema_decay");
+  expect_field([](auto& o) { o.ema_decay = -0.1; }, "ema_decay");
   RegressionTask empty(0, true);
   EXPECT_THROW(train::run(empty, options(dir / "run"), log), std::invalid_argument);
 }
