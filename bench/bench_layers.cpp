@@ -6,10 +6,14 @@
 //   build/bench/capsnet_bench_layers --benchmark_filter=DigitCaps --benchmark_repetitions=3
 //   build/bench/capsnet_bench_layers --benchmark_filter='GemmProbe|Stages' --benchmark_repetitions=3 \
 //     --benchmark_format=json > stages.json && python3 bench/stage_table.py stages.json
+//   CAPSNET_PROFILE_TRACE=trace.json build/bench/capsnet_bench_layers --benchmark_filter='Stages/stage:1/bf16:1' \
+//     && python3 bench/profile_summary.py trace.json      # where PrimaryCaps' time goes, per step
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <functional>
+#include <memory>
 
 #include "apps/benchmark.h"
 #include "capsnet/kernels/conv_dispatch.h"
@@ -20,6 +24,11 @@
 #include "capsnet/nn/capsule_linear.h"
 #include "capsnet/nn/primary_caps.h"
 #include "apps/runtime.h"
+
+#if __has_include(<torch/csrc/autograd/profiler_legacy.h>)
+#include <torch/csrc/autograd/profiler_legacy.h>
+#define CAPSNET_LEGACY_PROFILER 1
+#endif
 
 namespace {
 
@@ -210,7 +219,17 @@ int main(int argc, char** argv) {
   capsnet::apps::configure_runtime(argc, argv);  // all cores, as the CLI runs
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  // CAPSNET_PROFILE_TRACE=FILE: record the run with LibTorch's profiler (ATen ops and the kernels' named
+  // scopes, e.g. spectral::forward.products) as a Chrome trace; bench/profile_summary.py FILE sums it per step.
+#ifdef CAPSNET_LEGACY_PROFILER
+  std::unique_ptr<torch::autograd::profiler::RecordProfile> profile;
+  if (const char* trace = std::getenv("CAPSNET_PROFILE_TRACE"); trace && *trace)
+    profile = std::make_unique<torch::autograd::profiler::RecordProfile>(std::string(trace));
+#endif
   benchmark::RunSpecifiedBenchmarks();
+#ifdef CAPSNET_LEGACY_PROFILER
+  profile.reset();  // writes the trace
+#endif
   benchmark::Shutdown();
   return 0;
 }

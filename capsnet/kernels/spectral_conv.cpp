@@ -4,6 +4,7 @@
 #include "capsnet/kernels/saved_pairs.h"
 #include "capsnet/kernels/sign_mask.h"
 
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
@@ -12,6 +13,10 @@ namespace capsnet::kernels {
 namespace {
 
 constexpr double kTwoPi = 6.283185307179586476925286766559;
+
+// A named scope of the training step's parts for LibTorch's profiler ("spectral::..."; nothing is recorded
+// unless a profiler runs: bench/bench_layers.cpp with CAPSNET_PROFILE_TRACE, bench/profile_summary.py).
+#define CAPSNET_PROFILE_SCOPE(name) RECORD_FUNCTION(name, std::vector<c10::IValue>())
 
 int64_t half_size(int64_t n) { return n / 2 + 1; }
 
@@ -330,15 +335,29 @@ torch::Tensor spectral_forward(int64_t N, const torch::TensorOptions& spectra, c
   auto u = torch::empty({2 * g.output[0], K * N * O}, spectra);
   for (int64_t k1 = 0; k1 < K; k1 += columns) {
     const int64_t c = std::min(columns, K - k1);
-    const auto wts = weight_columns(k1, c);  // wts: [2, n0, c, C, O]
-    const auto xc = x_columns(k1, c);        // xc: [2, n0, c, N, C]
+    torch::Tensor wts, xc;
+    {
+      CAPSNET_PROFILE_SCOPE("spectral::forward.w_spectrum");
+      wts = weight_columns(k1, c);  // wts: [2, n0, c, C, O]
+    }
+    {
+      CAPSNET_PROFILE_SCOPE("spectral::forward.x_spectrum_columns");
+      xc = x_columns(k1, c);  // xc: [2, n0, c, N, C]
+    }
     auto ys = torch::empty({2, n0 * c, N, O}, sums);
     auto ys_rows = by_rows(ys, n0);
-    forward_products(ys_rows, xc, x_scratch, wts, w_scratch);
+    {
+      CAPSNET_PROFILE_SCOPE("spectral::forward.products");
+      forward_products(ys_rows, xc, x_scratch, wts, w_scratch);
+    }
+    CAPSNET_PROFILE_SCOPE("spectral::forward.inverse");
     first_axis_inverse_into(u, ys, n0, g.stride[0], g.output[0], k1);
   }
   auto y = torch::empty({N, O, g.output[0], g.output[1]}, sums);
-  last_axis_inverse_into(y, u, g.circle, g.stride[1], g.output);
+  {
+    CAPSNET_PROFILE_SCOPE("spectral::forward.inverse");
+    last_axis_inverse_into(y, u, g.circle, g.stride[1], g.output);
+  }
   if (b.defined()) y.add_(b.view({1, -1, 1, 1}).to(y.scalar_type()));
   return y.to(spectra.dtype().toScalarType());  // no copy where the spectra are fp32
 }
@@ -357,12 +376,20 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
                                const torch::Tensor& w_in, const torch::Tensor& b, std::array<int64_t, 2> stride,
                                int64_t chunk_bytes, bool relu_input) {
+    CAPSNET_PROFILE_SCOPE("spectral::forward");
     const auto w = w_in.contiguous();
     const auto g = spectral_geometry(input, w, stride);
     const int64_t C = input.size(1), O = w.size(0);
     // x's spectrum first: its last-axis stage is freed before w's (fp32: 47 MB) is made.
-    const auto xs = input_spectrum(input, relu_input, g.circle);  // xs: [2, F, N, C]
-    const auto wt_spectrum = transposed_kernel_spectrum(w, input.scalar_type(), g.circle);
+    torch::Tensor xs;  // xs: [2, F, N, C]
+    {
+      CAPSNET_PROFILE_SCOPE("spectral::forward.x_spectrum");
+      xs = input_spectrum(input, relu_input, g.circle);
+    }
+    const auto wt_spectrum = [&] {
+      CAPSNET_PROFILE_SCOPE("spectral::forward.w_spectrum");
+      return transposed_kernel_spectrum(w, input.scalar_type(), g.circle);
+    }();
     const auto y = spectral_forward(
         input.size(0), xs.options(), b, g, O, columns_per_chunk(g.circle[0], O, C, input.element_size(), chunk_bytes),
         w.options(), [&](int64_t k1, int64_t c) { return spectrum_columns(xs, g.circle[0], k1, c); }, false,
@@ -385,6 +412,7 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
+    CAPSNET_PROFILE_SCOPE("spectral::backward");
     const auto w = ctx->get_saved_variables()[0];
     // create_graph: the gradient would be built from kernels autograd cannot see through, so
     // differentiating it again would be silently wrong. Refused, as the registered ops refuse it.
@@ -416,7 +444,10 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
       xs = input_spectrum(input, relu_input, circle);
     }
     // ReLU's backward needs only the input's signs: one bit each.
-    const auto positive = relu_input && ctx->needs_input_grad(0) ? positive_bits(input) : torch::Tensor();
+    const auto positive = [&] {
+      CAPSNET_PROFILE_SCOPE("spectral::backward.relu_mask");
+      return relu_input && ctx->needs_input_grad(0) ? positive_bits(input) : torch::Tensor();
+    }();
     if (!torch::autograd::get_current_graph_task_keep_graph()) {
       ctx->saved_data.erase("input");  // nothing else reads it: let it go before the two loops
       input = torch::Tensor();
@@ -424,8 +455,12 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     // dy sits at the strided positions of the full correlation's output. Its spectrum is made a chunk of
     // columns at a time from the last-axis stage (both loops make it: a first-axis product of `output[0]`
     // terms, where the whole spectrum would sit on the peak: 19.5 MB bf16 for PrimaryCaps, 3.9 per chunk).
-    auto dy_last_axis = last_axis_spectrum(dy.to(spectrum_dtype), circle[1], stride[1], output);
+    auto dy_last_axis = [&] {
+      CAPSNET_PROFILE_SCOPE("spectral::backward.dy_spectrum");
+      return last_axis_spectrum(dy.to(spectrum_dtype), circle[1], stride[1], output);
+    }();
     const auto dz_columns = [&](int64_t k1, int64_t c) {  // [2, n0, c, N, O]
+      CAPSNET_PROFILE_SCOPE("spectral::backward.dy_spectrum");
       return by_rows(first_axis_spectrum(dy_last_axis, n0, stride[0], k1, c, N, O), n0);
     };
     torch::Tensor dx, dw, db;
@@ -434,17 +469,29 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     const auto input_gradient = [&] {
       auto u = torch::empty({2 * n0, K * N * C}, dy_last_axis.options());
       {
-        const KernelSpectrum w_spectrum(w.to(spectrum_dtype), circle);
+        const auto w_spectrum = [&] {
+          CAPSNET_PROFILE_SCOPE("spectral::input_grad.w_spectrum");
+          return KernelSpectrum(w.to(spectrum_dtype), circle);
+        }();
         for (int64_t k1 = 0; k1 < K; k1 += columns) {
           const int64_t c = std::min(columns, K - k1);
-          const auto ws = w_spectrum.columns(k1, c);  // ws: [2, n0 c, O, C]
+          torch::Tensor ws;  // ws: [2, n0 c, O, C]
+          {
+            CAPSNET_PROFILE_SCOPE("spectral::input_grad.w_spectrum");
+            ws = w_spectrum.columns(k1, c);
+          }
           const auto dzc = dz_columns(k1, c);
           auto dxs = torch::empty({2, n0 * c, N, C}, sums);
           auto dxs_rows = by_rows(dxs, n0);
-          input_grad_products(dxs_rows, dzc, by_rows(ws, n0));
+          {
+            CAPSNET_PROFILE_SCOPE("spectral::input_grad.products");
+            input_grad_products(dxs_rows, dzc, by_rows(ws, n0));
+          }
+          CAPSNET_PROFILE_SCOPE("spectral::input_grad.inverse");
           first_axis_inverse_into(u, dxs, n0, 1, n0, k1);
         }
       }
+      CAPSNET_PROFILE_SCOPE("spectral::input_grad.inverse");
       dy_last_axis = torch::Tensor();  // the input gradient's loop runs last
       dx = torch::empty({N, C, input_size[0], input_size[1]}, input_options);
       // Rows and columns past the circle were never read: zero gradient.
@@ -460,10 +507,15 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
         const auto dzc = dz_columns(k1, c), xc = spectrum_columns(xs, n0, k1, c);
         auto dws = torch::empty({2, n0 * c, O, C}, sums);
         auto dws_rows = by_rows(dws, n0);
-        weight_grad_products(dws_rows, dzc, xc);
+        {
+          CAPSNET_PROFILE_SCOPE("spectral::weight_grad.products");
+          weight_grad_products(dws_rows, dzc, xc);
+        }
+        CAPSNET_PROFILE_SCOPE("spectral::weight_grad.inverse");
         first_axis_inverse_into(u, dws, n0, 1, kernel[0], k1);
       }
       xs = torch::Tensor();
+      CAPSNET_PROFILE_SCOPE("spectral::weight_grad.inverse");
       dw = torch::empty(w.sizes(), w.options());
       last_axis_inverse_into(dw, u, circle, 1, kernel);
     };
