@@ -109,8 +109,10 @@ void check_shapes(const char* who, const torch::Tensor& out, const torch::Tensor
   TORCH_CHECK(a.dim() == dims && b.dim() == dims && out.dim() == dims, who, ": expected ", dims,
               "-D operands, got a ", a.sizes(), ", b ", b.sizes(), ", out ", out.sizes());
   const int64_t m = dims - 2;
+  bool batches_match = true;
+  for (int64_t d = 0; d < m; ++d) batches_match = batches_match && a.size(d) == b.size(d) && out.size(d) == a.size(d);
   TORCH_CHECK(a.size(m + 1) == b.size(m) && out.size(m) == a.size(m) && out.size(m + 1) == b.size(m + 1) &&
-                  (dims == 2 || (a.size(0) == b.size(0) && out.size(0) == a.size(0))),
+                  batches_match,
               who, ": shapes do not chain: a ", a.sizes(), ", b ", b.sizes(), ", out ", out.sizes());
   TORCH_CHECK(a.scalar_type() == b.scalar_type() &&
                   (a.scalar_type() == out.scalar_type() ||
@@ -141,8 +143,16 @@ void gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& 
 
 void batched_gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, double alpha,
                        double beta) {
-  check_shapes("batched_gemm_into", out, a, b, 3);
+  TORCH_CHECK(a.dim() >= 3 && a.dim() <= 8, "batched_gemm_into: expected 3-D to 8-D operands, got a ", a.sizes());
+  check_shapes("batched_gemm_into", out, a, b, a.dim());
   if (is_bf16_product(a)) return bf16_matmul(out, a, b, alpha, beta);
+  if (a.dim() > 3) {  // one leading axis at a time
+    for (int64_t f = 0; f < out.size(0); ++f) {
+      auto o = out[f];
+      batched_gemm_into(o, a[f], b[f], alpha, beta);
+    }
+    return;
+  }
   // oneDNN threads each product itself (measured as fast as one thread per product: docs/kernels.md).
   if (out.scalar_type() == torch::kFloat && out.device().is_cpu()) {
     for (int64_t f = 0; f < out.size(0); ++f) {

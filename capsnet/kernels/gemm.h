@@ -18,7 +18,8 @@ namespace capsnet::kernels {
 void gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, double alpha = 1.0,
                double beta = 0.0);
 
-/// The same product per leading index: a: [F, M, K], b: [F, K, N], out: [F, M, N] (each matrix as above).
+/// The same product per leading index: a: [F..., M, K], b: [F..., K, N], out: [F..., M, N] with one or more
+/// leading batch axes of any strides (each matrix as above). bf16 operands: one oneDNN matmul over all of them.
 void batched_gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, double alpha = 1.0,
                        double beta = 0.0);
 

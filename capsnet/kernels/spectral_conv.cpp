@@ -234,17 +234,16 @@ torch::Tensor combined_parts(const torch::Tensor& a, int sign, bool scratch) {
   return sign > 0 ? re + a[1] : re - a[1];
 }
 
+// out [n0, c, ., .] = a b per frequency: one batched product over all of them (bf16: one oneDNN matmul; fp32:
+// oneDNN's sgemm per matrix).
 template <class OpA, class OpB>
 void products_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, OpA op_a, OpB op_b,
                    double alpha, double beta) {
-  for (int64_t k0 = 0; k0 < out.size(0); ++k0) {
-    auto o = out[k0];
-    batched_gemm_into(o, op_a(a[k0]), op_b(b[k0]), alpha, beta);
-  }
+  batched_gemm_into(out, op_a(a), op_b(b), alpha, beta);
 }
 
 const auto as_is = [](const torch::Tensor& t) { return t; };
-const auto transposed = [](const torch::Tensor& t) { return t.transpose(1, 2); };
+const auto transposed = [](const torch::Tensor& t) { return t.transpose(-2, -1); };
 
 // ys = the forward's products. xs: [2, n0, c, B, C]; wts: the spectrum of w's transpose (conj(W)^T's
 // entries), [2, n0, c, C, O]: sgemm ran [100, 256] x [256, 256] 1.28x slower with the right operand

@@ -415,6 +415,13 @@ TEST(Gemm, EqualsMatmulForEveryLayout) {
     auto bout = torch::empty({3, 5, 4}, dtype);
     kernels::batched_gemm_into(bout, ba, bb);
     EXPECT_LT(max_abs_diff(bout, torch::bmm(ba, bb)), tol);
+    // Two batch axes of strides that do not merge, alpha and beta.
+    const auto a4 = torch::randn({2, 4, 5, 7}, dtype).narrow(1, 1, 3);
+    const auto b4 = torch::randn({2, 4, 7, 4}, dtype).narrow(1, 0, 3);
+    auto out4 = torch::randn({2, 3, 5, 4}, dtype);
+    const auto before4 = out4.clone();
+    kernels::batched_gemm_into(out4, a4, b4, 2.0, -1.0);
+    EXPECT_LT(max_abs_diff(out4, 2.0 * torch::matmul(a4, b4) - before4), tol);
   }
 }
 
@@ -452,6 +459,15 @@ TEST(Gemm, Bf16OperandsSumInFp32) {
   auto bout = torch::empty({3, 5, 4});
   kernels::batched_gemm_into(bout, ba, bb, 1.5);
   EXPECT_LT(relative(bout, 1.5 * torch::bmm(f64(ba), f64(bb))), 1e-6);
+  // Two batch axes whose strides do not merge into one (columns 1-2 of 5 on the second axis), into a view.
+  const auto a4 = bf(torch::randn({3, 5, 6, 40})).narrow(1, 1, 2);
+  const auto b4 = bf(torch::randn({3, 5, 4, 40})).narrow(1, 2, 2).transpose(-2, -1);
+  auto out4_base = torch::zeros({3, 4, 6, 4});
+  auto out4 = out4_base.narrow(1, 1, 2);
+  kernels::batched_gemm_into(out4, a4, b4, 1.0, 0.0);
+  EXPECT_LT(relative(out4, torch::matmul(f64(a4), f64(b4))), 1e-6);
+  EXPECT_EQ(out4_base.narrow(1, 0, 1).abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(out4_base.narrow(1, 3, 1).abs().sum().item<double>(), 0.0);
   // An empty sum (K = 0): beta * out, and zeros for beta 0 whatever out held.
   auto nan_out = torch::full({9, 6}, std::numeric_limits<float>::quiet_NaN());
   kernels::gemm_into(nan_out, bf(torch::randn({9, 0})), bf(torch::randn({0, 6})));
@@ -469,6 +485,9 @@ TEST(Gemm, RefusesShapesThatDoNotChain) {
   EXPECT_THROW(kernels::gemm_into(out, torch::randn({5, 7}), torch::randn({7, 4}, torch::kDouble)), c10::Error);
   auto bout = torch::empty({2, 5, 4});
   EXPECT_THROW(kernels::batched_gemm_into(bout, torch::randn({3, 5, 7}), torch::randn({3, 7, 4})), c10::Error);
+  auto bout4 = torch::empty({2, 3, 5, 4});
+  EXPECT_THROW(kernels::batched_gemm_into(bout4, torch::randn({2, 2, 5, 7}), torch::randn({2, 3, 7, 4})), c10::Error);
+  EXPECT_THROW(kernels::batched_gemm_into(out, torch::randn({5, 7}), torch::randn({7, 4})), c10::Error);
 }
 
 // The hand-written autograd Functions (spectral convolution, convolution with gradient paths, the sgemm
