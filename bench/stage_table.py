@@ -4,6 +4,7 @@
     build/bench/capsnet_bench_layers --benchmark_filter='GemmProbe|Stages' --benchmark_repetitions=5 \
         --benchmark_format=json > stages.json
     python3 bench/stage_table.py stages.json
+    python3 bench/stage_table.py --check build/bench/capsnet_bench_layers   # the CTest bench.stage_table
 
 Medians over the repetitions; each stage's nominal GFLOP/s (the direct convolutions' FLOP count, see
 bench/bench_layers.cpp) as a share of the GEMM probe of its own precision, measured in the same run.
@@ -57,7 +58,40 @@ def main(path):
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
+def check(binary):
+    """CTest bench.stage_table: runs the quick stages (DigitCaps, decoder, Adam) and the fp32 probe three times each,
+    and checks the table is made of them and the FLOP accounting: GFLOP/s = the stage's nominal GFLOP per
+    step (bench_layers.cpp, apps::forward_flops) / its median real time."""
+    import subprocess
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([binary, "--benchmark_filter=GemmProbe/bf16:0|Stages/stage:[234]/bf16:0",
+                        "--benchmark_repetitions=3", "--benchmark_min_time=0.01", "--benchmark_format=json",
+                        f"--benchmark_out={out.name}", "--benchmark_out_format=json"],
+                       check=True, stdout=subprocess.DEVNULL)
+        _, rows = medians(out.name)
+        nominal = {2: 3 * (2949120 + 2211840) * 100 / 1e9, 3: 3 * 2818048 * 100 / 1e9}  # GFLOP per step
+        for stage, gflop in nominal.items():
+            b = rows[f"Stages/stage:{stage}/bf16:0/real_time"]
+            expected = gflop / (b["real_time"] / 1000)
+            assert abs(b["GFLOP/s"] / expected - 1) < 0.02, (stage, b["GFLOP/s"], expected)
+        assert "GFLOP/s" not in rows["Stages/stage:4/bf16:0/real_time"], "Adam has no FLOP count"
+        assert rows["GemmProbe/bf16:0/iterations:1"]["GFLOP/s"] > 0
+        import contextlib
+        import io
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            main(out.name)
+    table = text.getvalue()
+    assert "| decoder (forward + both gradients) | " in table and "| Adam step (fused) | " in table, table
+    assert "| Conv1 (forward + weight gradient) | – | – | – |" in table, "stages not run are dashes"
+    print(table)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) == 3 and sys.argv[1] == "--check":
+        check(sys.argv[2])
+    elif len(sys.argv) == 2:
+        main(sys.argv[1])
+    else:
         sys.exit(__doc__)
-    main(sys.argv[1])
