@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
+#include <optional>
 
 namespace capsnet::kernels {
 namespace {
@@ -245,8 +246,8 @@ void products_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tens
 const auto as_is = [](const torch::Tensor& t) { return t; };
 const auto transposed = [](const torch::Tensor& t) { return t.transpose(-2, -1); };
 
-// ys = the forward's products. xs: [2, n0, c, B, C]; wts: the spectrum of w's transpose (conj(W)^T's
-// entries), [2, n0, c, C, O]: sgemm ran [100, 256] x [256, 256] 1.28x slower with the right operand
+// ys = the forward's products. xs: [2, n0, c, B, C]; wts: the spectrum of w's transpose (W^T per frequency,
+// conjugated by the formulas), [2, n0, c, C, O]: sgemm ran [100, 256] x [256, 256] 1.28x slower with the right operand
 // transposed (measured); ys: [2, n0, c, B, O]. *_scratch: the operand is the caller's to overwrite.
 void forward_products(torch::Tensor& ys, const torch::Tensor& xs, bool xs_scratch, const torch::Tensor& wts,
                       bool wts_scratch) {
@@ -259,16 +260,22 @@ void forward_products(torch::Tensor& ys, const torch::Tensor& xs, bool xs_scratc
   products_into(yi, xsum, wdiff, as_is, as_is, 1.0, 1.0);                           // + T3
 }
 
-// dxs = the input gradient's products. dz: [2, n0, c, B, O]; ws: [2, n0, c, O, C]; dxs: [2, n0, c, B, C].
-// Both operands are the chunk's own (overwritten).
-void input_grad_products(torch::Tensor& dxs, const torch::Tensor& dz, const torch::Tensor& ws) {
+// dxs = the input gradient's products. dz: [2, n0, c, B, O] (the chunk's own, overwritten); dxs: [2, n0, c, B, C].
+// ws: W's spectrum [2, n0, c, O, C], or, where `transposed_w`, the forward's spectrum of w^T ([2, n0, c, C, O]:
+// W^T's entries) read transposed. ws_scratch: ws may be overwritten.
+void input_grad_products(torch::Tensor& dxs, const torch::Tensor& dz, const torch::Tensor& ws, bool transposed_w,
+                         bool ws_scratch) {
+  const auto w_in = [&](torch::Tensor& out, const torch::Tensor& d, const torch::Tensor& w, double alpha, double beta) {
+    if (transposed_w) return products_into(out, d, w, as_is, transposed, alpha, beta);
+    products_into(out, d, w, as_is, as_is, alpha, beta);
+  };
   auto dxr = dxs[0], dxi = dxs[1];
-  products_into(dxr, dz[0], ws[0], as_is, as_is, 1.0, 0.0);                         // T1
-  products_into(dxi, dz[1], ws[1], as_is, as_is, 1.0, 0.0);                         // T2
+  w_in(dxr, dz[0], ws[0], 1.0, 0.0);                                                 // T1
+  w_in(dxi, dz[1], ws[1], 1.0, 0.0);                                                 // T2
   dxr.sub_(dxi);                                                                     // T1 - T2
   dxi.mul_(2).add_(dxr);                                                             // T1 + T2
-  const auto ddiff = combined_parts(dz, -1, true), wdiff = combined_parts(ws, -1, true);
-  products_into(dxi, ddiff, wdiff, as_is, as_is, -1.0, 1.0);                        // - T3
+  const auto ddiff = combined_parts(dz, -1, true), wdiff = combined_parts(ws, -1, ws_scratch);
+  w_in(dxi, ddiff, wdiff, -1.0, 1.0);                                                // - T3
 }
 
 // dws = the weight gradient's products. dz: [2, n0, c, B, O] (the chunk's own, overwritten);
@@ -288,6 +295,10 @@ void weight_grad_products(torch::Tensor& dws, const torch::Tensor& dz, const tor
 int64_t columns_per_chunk(int64_t n0, int64_t O, int64_t C, int64_t element_size, int64_t chunk_bytes) {
   return std::max<int64_t>(1, chunk_bytes / std::max<int64_t>(2 * n0 * O * C * element_size, 1));
 }
+
+// Whether the forward keeps w^T's whole spectrum for the input gradient instead of the backward making W's
+// again: bf16 (PrimaryCaps: 50 MB kept, 8-9 ms of the step saved; docs/kernels.md), not fp32 (100 MB).
+bool keeps_weight_spectrum(torch::ScalarType spectra) { return spectra == torch::kBFloat16; }
 
 struct SpectralGeometry {
   std::array<int64_t, 2> stride, kernel, output, circle;  // circle: the DFT sizes Nh, Nw
@@ -389,21 +400,34 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
       CAPSNET_PROFILE_SCOPE("spectral::forward.w_spectrum");
       return transposed_kernel_spectrum(w, input.scalar_type(), g.circle);
     }();
+    // bf16: w^T's whole spectrum (W^T per frequency) is made once here and kept for the input gradient (PrimaryCaps: 50 MB, made
+    // in 9-10 ms); fp32 makes it a chunk at a time, here and again in the backward (whole: 100 MB).
+    const bool keep_w = keeps_weight_spectrum(input.scalar_type());
+    torch::Tensor w_kept;  // w_kept: [2, n0 K, C, O]
+    if (keep_w) {
+      CAPSNET_PROFILE_SCOPE("spectral::forward.w_spectrum");
+      w_kept = wt_spectrum.columns(0, half_size(g.circle[1]));
+    }
     const auto y = spectral_forward(
         input.size(0), xs.options(), b, g, O, columns_per_chunk(g.circle[0], O, C, input.element_size(), chunk_bytes),
         w.options(), [&](int64_t k1, int64_t c) { return spectrum_columns(xs, g.circle[0], k1, c); }, false,
-        [&](int64_t k1, int64_t c) { return by_rows(wt_spectrum.columns(k1, c), g.circle[0]); }, true);
+        [&](int64_t k1, int64_t c) {
+          return keep_w ? spectrum_columns(w_kept, g.circle[0], k1, c)
+                        : by_rows(wt_spectrum.columns(k1, c), g.circle[0]);
+        },
+        !keep_w);
     // The backward needs x through its spectrum (about x's size), kept apart so that the backward can free
     // it once the weight gradient is done. The input is kept too, outside the saved variables, so that the
     // backward can let it go as soon as it has what it needs (ReLU's sign bits; nothing without ReLU)
     // unless the graph is kept for another backward, which makes x's spectrum from it again: PrimaryCaps'
     // input (bf16: 20.5 MB, fp32: 41) no longer sits on the backward's peak. Its version is checked as a
-    // saved variable's would be. w's spectrum is made again in the backward.
+    // saved variable's would be. w's spectrum is kept (bf16) or made again in the backward (fp32, fp64).
     ctx->save_for_backward({w});
     ctx->saved_data["input"] = input;
     ctx->saved_data["input_version"] = static_cast<int64_t>(input._version());
     ctx->saved_data["relu_input"] = relu_input;
     ctx->saved_data["x_spectrum"] = xs;
+    if (keep_w) ctx->saved_data["w_spectrum"] = w_kept;
     ctx->saved_data["stride"] = as_vector(stride);
     ctx->saved_data["chunk_bytes"] = chunk_bytes;
     return y;
@@ -433,7 +457,7 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     const int64_t n0 = circle[0], K = half_size(circle[1]);
     // The spectra in the input's dtype, sums in w's (see forward).
     const auto spectrum_dtype = input.scalar_type();
-    const auto sums = w.options();
+    const auto sums = w.options(), spectra = dy.options().dtype(spectrum_dtype);
     const int64_t columns = columns_per_chunk(n0, O, C, input.element_size(), ctx->saved_data["chunk_bytes"].toInt());
     torch::Tensor xs;  // xs: [2, F, N, C], taken from the forward (or made again: a second backward)
     if (ctx->saved_data.count("x_spectrum") != 0) {
@@ -442,6 +466,14 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     } else if (ctx->needs_input_grad(1)) {
       xs = input_spectrum(input, relu_input, circle);
     }
+    // w^T's spectrum kept by the forward (bf16; W^T per frequency), taken as x's is: a second backward makes
+    // W's instead.
+    torch::Tensor w_kept;  // w_kept: [2, F, C, O]
+    if (ctx->saved_data.count("w_spectrum") != 0) {
+      w_kept = ctx->saved_data["w_spectrum"].toTensor();
+      ctx->saved_data.erase("w_spectrum");
+    }
+    const bool dx_first = w_kept.defined();
     // ReLU's backward needs only the input's signs: one bit each.
     const auto positive = [&] {
       CAPSNET_PROFILE_SCOPE("spectral::backward.relu_mask");
@@ -466,32 +498,35 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
     // Each loop's operands go before its last stage makes the gradient: the input gradient's last stage
     // would otherwise hold w's last-axis stage and dy's (fp32 PrimaryCaps: 47 + 12 MB) beside u and dx.
     const auto input_gradient = [&] {
-      auto u = torch::empty({2 * n0, K * N * C}, dy_last_axis.options());
+      auto u = torch::empty({2 * n0, K * N * C}, spectra);
       {
-        const auto w_spectrum = [&] {
+        const bool kept = w_kept.defined();
+        std::optional<KernelSpectrum> w_spectrum;  // W's, where the forward's w^T spectrum was not kept
+        if (!kept) {
           CAPSNET_PROFILE_SCOPE("spectral::input_grad.w_spectrum");
-          return KernelSpectrum(w.to(spectrum_dtype), circle);
-        }();
+          w_spectrum.emplace(w.to(spectrum_dtype), circle);
+        }
         for (int64_t k1 = 0; k1 < K; k1 += columns) {
           const int64_t c = std::min(columns, K - k1);
-          torch::Tensor ws;  // ws: [2, n0 c, O, C]
+          torch::Tensor ws;  // ws: [2, n0, c, O, C], or w^T's [2, n0, c, C, O] where kept
           {
             CAPSNET_PROFILE_SCOPE("spectral::input_grad.w_spectrum");
-            ws = w_spectrum.columns(k1, c);
+            ws = kept ? spectrum_columns(w_kept, n0, k1, c) : by_rows(w_spectrum->columns(k1, c), n0);
           }
           const auto dzc = dz_columns(k1, c);
           auto dxs = torch::empty({2, n0 * c, N, C}, sums);
           auto dxs_rows = by_rows(dxs, n0);
           {
             CAPSNET_PROFILE_SCOPE("spectral::input_grad.products");
-            input_grad_products(dxs_rows, dzc, by_rows(ws, n0));
+            input_grad_products(dxs_rows, dzc, ws, kept, true);  // each chunk of w_kept is read once: ours to overwrite
           }
           CAPSNET_PROFILE_SCOPE("spectral::input_grad.inverse");
           first_axis_inverse_into(u, dxs, n0, 1, n0, k1);
         }
+        w_kept = torch::Tensor();
       }
       CAPSNET_PROFILE_SCOPE("spectral::input_grad.inverse");
-      dy_last_axis = torch::Tensor();  // the input gradient's loop runs last
+      if (!dx_first) dy_last_axis = torch::Tensor();  // the input gradient's loop runs last
       dx = torch::empty({N, C, input_size[0], input_size[1]}, input_options);
       // Rows and columns past the circle were never read: zero gradient.
       dx.narrow(2, circle[0], input_size[0] - circle[0]).zero_();
@@ -500,7 +535,7 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
       if (relu_input) keep_where_positive_(dx, positive);
     };
     const auto weight_gradient = [&] {
-      auto u = torch::empty({2 * kernel[0], K * O * C}, dy_last_axis.options());
+      auto u = torch::empty({2 * kernel[0], K * O * C}, spectra);
       for (int64_t k1 = 0; k1 < K; k1 += columns) {
         const int64_t c = std::min(columns, K - k1);
         const auto dzc = dz_columns(k1, c), xc = spectrum_columns(xs, n0, k1, c);
@@ -514,16 +549,23 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
         first_axis_inverse_into(u, dws, n0, 1, kernel[0], k1);
       }
       xs = torch::Tensor();
+      if (dx_first) dy_last_axis = torch::Tensor();
       CAPSNET_PROFILE_SCOPE("spectral::weight_grad.inverse");
       dw = torch::empty(w.sizes(), w.options());
       last_axis_inverse_into(dw, u, circle, 1, kernel);
     };
     // dW first, then x's spectrum goes, then dx (whose buffers are the larger). Measured (bench peak,
     // batch 100, 24 MB chunks): fp32 611 MB dx first against 639 dW first while x's spectrum stayed, 602
-    // this way; bf16 521 against 509, and 509.
-    if (ctx->needs_input_grad(1)) weight_gradient();
-    xs = torch::Tensor();
-    if (ctx->needs_input_grad(0)) input_gradient();
+    // this way; bf16 521 against 509, and 509. Where the forward kept w's spectrum (bf16), dx first, so
+    // that it goes before dW's buffers are made: PrimaryCaps' training peak XXX MB against YYY dW first.
+    if (dx_first) {
+      if (ctx->needs_input_grad(0)) input_gradient();
+      if (ctx->needs_input_grad(1)) weight_gradient();
+    } else {
+      if (ctx->needs_input_grad(1)) weight_gradient();
+      xs = torch::Tensor();
+      if (ctx->needs_input_grad(0)) input_gradient();
+    }
     if (ctx->needs_input_grad(2)) db = dy.to(w.scalar_type()).sum({0, 2, 3});
     return {dx, dw, db, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
