@@ -48,24 +48,23 @@ torch::Tensor complex_dft_matrix(int64_t n, int64_t step, int64_t used, const to
   return torch::cat({re, im}, 0).to(o);  // [2 n, 2 used]
 }
 
-// The inverse along the first axis: rows (part, i) for positions step * i, columns (part, k), e^{+i a}.
+// The inverse along the first axis: rows (i, part) for positions step * i, columns (part, k), e^{+i a}.
 torch::Tensor complex_idft_matrix(int64_t n, int64_t step, int64_t count, const torch::TensorOptions& o) {
   const auto a = dft_angles(n, count, step, n).t();  // [count, n]
   const auto c = torch::cos(a), s = torch::sin(a);
-  return torch::cat({torch::cat({c, -s}, 1), torch::cat({s, c}, 1)}, 0).to(o);  // [2 count, 2 n]
+  return torch::stack({torch::cat({c, -s}, 1), torch::cat({s, c}, 1)}, 1).reshape({2 * count, 2 * n}).to(o);
 }
 
 // The inverse along the last axis to real samples at step * j, with the 1 / (n0 n1) of the whole 2-D
 // inverse and the half spectrum's weights (2 for every k with a conjugate twin outside it): the real
-// part of sum_k w_k (u_re + i u_im) e^{+i a} = w_k (u_re cos a - u_im sin a). Returns {re, im}: [K, count].
-std::array<torch::Tensor, 2> real_idft_matrices(int64_t n0, int64_t n, int64_t step, int64_t count,
-                                                const torch::TensorOptions& o) {
+// part of sum_k w_k (u_re + i u_im) e^{+i a} = w_k (u_re cos a - u_im sin a). Rows (part, k): [2 K, count].
+torch::Tensor real_idft_matrix(int64_t n0, int64_t n, int64_t step, int64_t count, const torch::TensorOptions& o) {
   const int64_t K = half_size(n);
   auto weight = torch::full({K, 1}, 2.0 / static_cast<double>(n0 * n), torch::kFloat64);
   weight[0] = 1.0 / static_cast<double>(n0 * n);
   if (n % 2 == 0) weight[K - 1] = 1.0 / static_cast<double>(n0 * n);
   const auto a = dft_angles(K, count, step, n);  // [K, count]
-  return {(weight * torch::cos(a)).to(o), (-weight * torch::sin(a)).to(o)};
+  return torch::cat({weight * torch::cos(a), -weight * torch::sin(a)}, 0).to(o);
 }
 
 // The spectra's two stages. Along the last axis, one product per sample row r (t read in place,
@@ -172,13 +171,13 @@ torch::Tensor by_rows(const torch::Tensor& spec, int64_t n0) {
 constexpr int64_t kInverseScratchBytes = int64_t{2} << 20;
 
 // The inverse's first stage for the frequency columns [k_begin, k_begin + count) of a spectrum
-// spec: [2, n0 count, P, Q]: u[:, columns (k1, PQ) of those k1] = M^-1 spec, u: [(part, i), (k1, PQ)]
+// spec: [2, n0 count, P, Q]: u[:, columns (k1, PQ) of those k1] = M^-1 spec, u: [(i, part), (k1, PQ)]
 // for positions step i, i < rows. Each column chunk writes its own part of u, once. A bf16 u (fp32 spec:
 // the products' sums) gets the chunk through an fp32 scratch: oneDNN 2.6 builds no f32 x f32 -> bf16 product.
 void first_axis_inverse_into(torch::Tensor& u, const torch::Tensor& spec, int64_t n0, int64_t step, int64_t rows,
                              int64_t k_begin) {
   const int64_t PQ = spec.size(2) * spec.size(3), count = spec.size(1) / n0;
-  const auto m = complex_idft_matrix(n0, step, rows, spec.options());  // m: [2 rows, (part, k0)]
+  const auto m = complex_idft_matrix(n0, step, rows, spec.options());  // m: [(i, part), (part, k0)]
   const auto spec2d = spec.view({2 * n0, count * PQ});
   auto cols = u.narrow(1, k_begin * PQ, count * PQ);
   if (u.scalar_type() == spec.scalar_type()) return gemm_into(cols, m, spec2d);
@@ -194,25 +193,17 @@ void first_axis_inverse_into(torch::Tensor& u, const torch::Tensor& spec, int64_
   }
 }
 
-// The inverse's last stage, straight into out's rows: out[:, :, i, :count1] = u_re[i]^T iw_re + u_im[i]^T iw_im.
-// u: [2 count0, K PQ]; out: [P, Q, >= count0, >= count1] contiguous. A bf16 u sums in fp32: an out of
-// another dtype than the sums (bf16 out) gets each row through an fp32 scratch row.
+// The inverse's last stage, straight into out's rows: out[:, :, i, :count1] = u[i] iw, one batched product over
+// the rows i, summing over (part, k1). u: [(i, part), (k1, PQ)], rows (part, k1) of a row i 2 K evenly spaced
+// ones; out: [P, Q, >= count0, >= count1] contiguous, of u's dtype or fp32 for a bf16 u (bf16 x bf16 sums in
+// fp32 either way).
 void last_axis_inverse_into(torch::Tensor& out, const torch::Tensor& u, std::array<int64_t, 2> n, int64_t step,
                             std::array<int64_t, 2> count) {
-  const int64_t PQ = out.size(0) * out.size(1), Ho = out.size(2), Wo = out.size(3), K = half_size(n[1]);
-  const auto iw = real_idft_matrices(n[0], n[1], step, count[1], u.options());  // each [K, count1]
-  const auto uv = u.view({2, count[0], K, PQ});
-  const auto out2d = out.view({PQ, Ho * Wo});
-  const auto sums = u.scalar_type() == torch::kBFloat16 ? torch::kFloat : u.scalar_type();
-  const bool in_place = out.scalar_type() == sums;
-  auto scratch = in_place ? torch::Tensor() : torch::empty({PQ, count[1]}, u.options().dtype(sums));  // [PQ, count1]
-  for (int64_t i = 0; i < count[0]; ++i) {
-    auto dst = out2d.narrow(1, i * Wo, count[1]);
-    auto& row = in_place ? dst : scratch;
-    gemm_into(row, uv[0][i].t(), iw[0]);
-    gemm_into(row, uv[1][i].t(), iw[1], 1.0, 1.0);
-    if (!in_place) dst.copy_(scratch);
-  }
+  const int64_t PQ = out.size(0) * out.size(1), K = half_size(n[1]);
+  const auto iw = real_idft_matrix(n[0], n[1], step, count[1], u.options());            // iw: [2 K, count1]
+  const auto a = u.view({count[0], 2 * K, PQ}).transpose(1, 2);                          // a: [count0, PQ, 2 K]
+  auto dst = out.view({PQ, out.size(2), out.size(3)}).narrow(1, 0, count[0]).narrow(2, 0, count[1]).transpose(0, 1);
+  batched_gemm_into(dst, a, iw.expand({count[0], 2 * K, count[1]}).contiguous(), 1.0, 0.0);  // dst: [count0, PQ, count1]
 }
 
 // The complex products per frequency, with three real ones each (Gauss), over one chunk of frequency

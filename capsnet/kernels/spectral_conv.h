@@ -41,9 +41,11 @@ bool spectral_conv_pays_off(std::array<int64_t, 2> kernel, std::array<int64_t, 2
 /// Bytes of the weight's spectrum held at a time, in the spectra's dtype: conv2d_spectral goes through the
 /// frequencies in chunks of whole columns (the last axis's frequencies; PrimaryCaps' whole spectrum,
 /// 2 x 19 x 10 x 256 x 256 values, is 100 MB in fp32; a column 10 MB in fp32, 5 MB in bf16, so chunks of
-/// one column in fp32 and two in bf16). Measured at batch 100 (bench, 24 against 12 MB): fp32 training
-/// peak 602 -> 569 MB at the same speed; bf16 with one column 509 -> 487 MB but 4-9% slower.
-constexpr int64_t kSpectralChunkBytes = int64_t{12} << 20;
+/// one column in both). One bf16 column against two (12 MB), measured at batch 100 with w's spectrum kept
+/// by the forward and one product per pass (Zen 5, alternated twice): PrimaryCaps' bf16 step 90-93 -> 80-82
+/// ms, training 800 -> 934 img/s (each chunk's sums are still in cache when the inverse reads them), peak
+/// 371 -> 401 MB; fp32 unchanged (one column either way).
+constexpr int64_t kSpectralChunkBytes = int64_t{5} << 20;
 
 /// y = conv2d(x, w, b, stride) through DFTs, differentiable in x, w and b (b may be undefined).
 /// x: [N, C, H, W]; w: [O, C, K0, K1]; b: [O]; CPU; x, w and b float32 or float64, or x bfloat16 with w
