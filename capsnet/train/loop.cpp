@@ -604,13 +604,10 @@ class LoopRun {
       return std::string(split) == "val" ? task_.evaluate_validation(bar_stream) : task_.evaluate(bar_stream);
     };
     const auto trained = average_ ? evaluate() : std::nullopt;
-    std::optional<Evaluation> e;
-    if (average_) {
-      WeightAverage::Swap averaged(*average_);
-      e = evaluate();
-    } else {
-      e = evaluate();
-    }
+    std::optional<WeightAverage::Swap> averaged;  // the average in the model for this evaluation only
+    if (average_) averaged.emplace(*average_);
+    auto e = evaluate();
+    averaged.reset();
     if (e) {
       nlohmann::json record = {{"event", "eval"},
                                {"split", split},
