@@ -200,10 +200,11 @@ void first_axis_inverse_into(torch::Tensor& u, const torch::Tensor& spec, int64_
 void last_axis_inverse_into(torch::Tensor& out, const torch::Tensor& u, std::array<int64_t, 2> n, int64_t step,
                             std::array<int64_t, 2> count) {
   const int64_t PQ = out.size(0) * out.size(1), K = half_size(n[1]);
-  const auto iw = real_idft_matrix(n[0], n[1], step, count[1], u.options());            // iw: [2 K, count1]
-  const auto a = u.view({count[0], 2 * K, PQ}).transpose(1, 2);                          // a: [count0, PQ, 2 K]
+  const auto iw = real_idft_matrix(n[0], n[1], step, count[1], u.options());  // iw: [2 K, count1]
+  const auto a = u.view({count[0], 2 * K, PQ}).transpose(1, 2);               // a: [count0, PQ, 2 K]
+  // dst: [count0, PQ, count1], a view of out's rows
   auto dst = out.view({PQ, out.size(2), out.size(3)}).narrow(1, 0, count[0]).narrow(2, 0, count[1]).transpose(0, 1);
-  batched_gemm_into(dst, a, iw.expand({count[0], 2 * K, count[1]}).contiguous(), 1.0, 0.0);  // dst: [count0, PQ, count1]
+  batched_gemm_into(dst, a, iw.expand({count[0], 2 * K, count[1]}).contiguous(), 1.0, 0.0);
 }
 
 // The complex products per frequency, with three real ones each (Gauss), over one chunk of frequency
@@ -391,8 +392,9 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
       CAPSNET_PROFILE_SCOPE("spectral::forward.w_spectrum");
       return transposed_kernel_spectrum(w, input.scalar_type(), g.circle);
     }();
-    // bf16: w^T's whole spectrum (W^T per frequency) is made once here and kept for the input gradient (PrimaryCaps: 50 MB, made
-    // in 9-10 ms); fp32 makes it a chunk at a time, here and again in the backward (whole: 100 MB).
+    // bf16: w^T's whole spectrum (W^T per frequency) is made once here and kept for the input gradient
+    // (PrimaryCaps: 50 MB, made in 9-10 ms); fp32 makes it a chunk at a time, here and again in the backward
+    // (whole: 100 MB).
     const bool keep_w = keeps_weight_spectrum(input.scalar_type());
     torch::Tensor w_kept;  // w_kept: [2, n0 K, C, O]
     if (keep_w) {
