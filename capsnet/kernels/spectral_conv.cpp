@@ -252,11 +252,11 @@ void forward_products(torch::Tensor& ys, const torch::Tensor& xs, bool xs_scratc
   products_into(yi, xsum, wdiff, as_is, as_is, 1.0, 1.0);                           // + T3
 }
 
-// dxs = the input gradient's products. dz: [2, n0, c, B, O] (the chunk's own, overwritten); dxs: [2, n0, c, B, C].
+// dxs = the input gradient's products. dz: [2, n0, c, B, O]; dxs: [2, n0, c, B, C].
 // ws: W's spectrum [2, n0, c, O, C], or, where `transposed_w`, the forward's spectrum of w^T ([2, n0, c, C, O]:
-// W^T's entries) read transposed. ws_scratch: ws may be overwritten.
-void input_grad_products(torch::Tensor& dxs, const torch::Tensor& dz, const torch::Tensor& ws, bool transposed_w,
-                         bool ws_scratch) {
+// W^T's entries) read transposed. *_scratch: the operand may be overwritten.
+void input_grad_products(torch::Tensor& dxs, const torch::Tensor& dz, bool dz_scratch, const torch::Tensor& ws,
+                         bool transposed_w, bool ws_scratch) {
   const auto w_in = [&](torch::Tensor& out, const torch::Tensor& d, const torch::Tensor& w, double alpha, double beta) {
     if (transposed_w) return products_into(out, d, w, as_is, transposed, alpha, beta);
     products_into(out, d, w, as_is, as_is, alpha, beta);
@@ -266,7 +266,7 @@ void input_grad_products(torch::Tensor& dxs, const torch::Tensor& dz, const torc
   w_in(dxi, dz[1], ws[1], 1.0, 0.0);                                                 // T2
   dxr.sub_(dxi);                                                                     // T1 - T2
   dxi.mul_(2).add_(dxr);                                                             // T1 + T2
-  const auto ddiff = combined_parts(dz, -1, true), wdiff = combined_parts(ws, -1, ws_scratch);
+  const auto ddiff = combined_parts(dz, -1, dz_scratch), wdiff = combined_parts(ws, -1, ws_scratch);
   w_in(dxi, ddiff, wdiff, -1.0, 1.0);                                                // - T3
 }
 
@@ -483,8 +483,17 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
       CAPSNET_PROFILE_SCOPE("spectral::backward.dy_spectrum");
       return last_axis_spectrum(dy.to(spectrum_dtype), circle[1], stride[1], output);
     }();
+    // Where dx goes first (bf16), dy's whole spectrum is made once for both loops (PrimaryCaps: 19.5 MB bf16,
+    // against two first-axis passes); the weight gradient, its last reader, overwrites it.
+    torch::Tensor dz_whole;  // dz_whole: [2, F, N, O]
+    if (dx_first && ctx->needs_input_grad(0) && ctx->needs_input_grad(1)) {
+      CAPSNET_PROFILE_SCOPE("spectral::backward.dy_spectrum");
+      dz_whole = first_axis_spectrum(dy_last_axis, n0, stride[0], 0, K, N, O);
+      dy_last_axis = torch::Tensor();
+    }
     const auto dz_columns = [&](int64_t k1, int64_t c) {  // [2, n0, c, N, O]
       CAPSNET_PROFILE_SCOPE("spectral::backward.dy_spectrum");
+      if (dz_whole.defined()) return spectrum_columns(dz_whole, n0, k1, c);
       return by_rows(first_axis_spectrum(dy_last_axis, n0, stride[0], k1, c, N, O), n0);
     };
     torch::Tensor dx, dw, db;
@@ -511,7 +520,8 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
           auto dxs_rows = by_rows(dxs, n0);
           {
             CAPSNET_PROFILE_SCOPE("spectral::input_grad.products");
-            input_grad_products(dxs_rows, dzc, ws, kept, true);  // each chunk of w_kept is read once: ours to overwrite
+            // Each chunk of w_kept is read once: ours to overwrite; dz_whole is read again by dW.
+            input_grad_products(dxs_rows, dzc, !dz_whole.defined(), ws, kept, true);
           }
           CAPSNET_PROFILE_SCOPE("spectral::input_grad.inverse");
           first_axis_inverse_into(u, dxs, n0, 1, n0, k1);
@@ -542,7 +552,7 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
         first_axis_inverse_into(u, dws, n0, 1, kernel[0], k1);
       }
       xs = torch::Tensor();
-      if (dx_first) dy_last_axis = torch::Tensor();
+      if (dx_first) dy_last_axis = dz_whole = torch::Tensor();
       CAPSNET_PROFILE_SCOPE("spectral::weight_grad.inverse");
       dw = torch::empty(w.sizes(), w.options());
       last_axis_inverse_into(dw, u, circle, 1, kernel);
