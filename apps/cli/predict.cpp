@@ -71,7 +71,7 @@ struct Classifier {
 };
 
 Classifier load_classifier(const std::string& path, Precision precision) {
-  Classifier c{train::load_any_model(path)};
+  Classifier c{train::load_any_model(path), 0, {}, {}, {}, {}};
   c.net.set_precision(precision);
   std::visit(
       [&c](auto model) {
