@@ -20,6 +20,7 @@
 #include "capsnet/kernels/fused_adam.h"
 #include "capsnet/kernels/precision.h"
 #include "capsnet/kernels/spectral_conv.h"
+#include "capsnet/kernels/unfolded_conv.h"
 #include "capsnet/models/capsnet.h"
 #include "capsnet/nn/capsule_linear.h"
 #include "capsnet/nn/primary_caps.h"
@@ -94,6 +95,26 @@ void ConvPathsBf16(benchmark::State& state) {
                                             {stride, stride});
     else
       y = torch::conv2d(x, w.to(torch::kBFloat16), b.to(torch::kBFloat16), stride, pad);
+    y.sum().backward();
+  }
+  state.SetItemsProcessed(state.iterations() * B);
+}
+
+// A first-layer convolution (1 -> 256 channels, x without gradient) forward + weight and bias gradients, in
+// the compute precision: oneDNN's direct kernel (ATen's conv2d) against one product per image over the
+// patches (kernels/unfolded_conv.h). args: {batch, side, kernel, padding, bf16 (0/1), unfolded (0/1)}:
+//   {100, 28, 9, 0}: the CapsNet's Conv1; {100, 40, 9, 0}: at 40x40; {32, 40, 5, 2}: the baseline CNN's conv1.
+void ShallowConv(benchmark::State& state) {
+  const int64_t B = state.range(0), side = state.range(1), k = state.range(2), pad = state.range(3);
+  const auto dtype = state.range(4) ? torch::kBFloat16 : torch::kFloat;
+  const bool unfolded = state.range(5);
+  torch::manual_seed(0);
+  auto w = (torch::randn({256, 1, k, k}) * 0.1).requires_grad_();  // w: [O, 1, K, K]
+  auto b = torch::zeros({256}).requires_grad_();
+  const auto x = torch::rand({B, 1, side, side}).to(dtype);  // x: [B, 1, S, S]
+  for (auto _ : state) {
+    const auto y = unfolded ? capsnet::kernels::conv2d_unfolded(x, w, b, {1, 1}, {pad, pad})
+                            : torch::conv2d(x, w.to(dtype), b.to(dtype), 1, pad);  // y: [B, 256, P, P]
     y.sum().backward();
   }
   state.SetItemsProcessed(state.iterations() * B);
@@ -205,6 +226,13 @@ BENCHMARK(ConvPathsBf16)
     ->Args({100, 20, 9, 2, 0, 1})
     ->Args({100, 32, 9, 2, 0, 0})
     ->Args({100, 32, 9, 2, 0, 1})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(ShallowConv)
+    ->ArgNames({"batch", "side", "kernel", "pad", "bf16", "unfolded"})
+    ->ArgsProduct({{100}, {28}, {9}, {0}, {0, 1}, {0, 1}})
+    ->ArgsProduct({{100}, {40}, {9}, {0}, {0, 1}, {0, 1}})
+    ->ArgsProduct({{32}, {40}, {5}, {2}, {0, 1}, {0, 1}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(PrimaryCapsConv)

@@ -44,6 +44,15 @@ bool use_phase_input_grad(const torch::nn::detail::ConvNdOptions<2>& options, in
 /// kernels, docs/kernels.md).
 bool use_spectral_conv(const torch::nn::detail::ConvNdOptions<2>& options, int64_t in_h, int64_t in_w);
 
+/// Largest reduction depth C k0 k1 per output at which conv2d_at trains a convolution as one product per
+/// image over its patches (kernels/unfolded_conv.h): Conv1 (1 x 9 x 9 = 81).
+constexpr int64_t kUnfoldedMaxDepth = 81;
+
+/// Whether conv2d_at runs `conv` through conv2d_unfolded under autograd in bf16: groups 1, dilation 1, numeric
+/// zero padding and a reduction depth of at most kUnfoldedMaxDepth (docs/kernels.md, "Conv1 as one product
+/// per image", has the measurements).
+bool use_unfolded_conv(const torch::nn::detail::ConvNdOptions<2>& options);
+
 /// Inference (autograd off) takes the spectral form from this batch size on: it makes the weight's
 /// spectrum on every call (~15 ms fp32, ~11 ms bf16 for PrimaryCaps), which the blocked direct kernel
 /// (weights reordered once) beats below it. Measured, PrimaryCaps forward: fp32 batch 16 23.7 vs 17.5 ms

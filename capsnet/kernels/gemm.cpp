@@ -109,8 +109,11 @@ void check_shapes(const char* who, const torch::Tensor& out, const torch::Tensor
   TORCH_CHECK(a.dim() == dims && b.dim() == dims && out.dim() == dims, who, ": expected ", dims,
               "-D operands, got a ", a.sizes(), ", b ", b.sizes(), ", out ", out.sizes());
   const int64_t m = dims - 2;
+  // A batch axis of a or b may have size 1 (broadcast over out's).
   bool batches_match = true;
-  for (int64_t d = 0; d < m; ++d) batches_match = batches_match && a.size(d) == b.size(d) && out.size(d) == a.size(d);
+  for (int64_t d = 0; d < m; ++d)
+    batches_match =
+        batches_match && (a.size(d) == out.size(d) || a.size(d) == 1) && (b.size(d) == out.size(d) || b.size(d) == 1);
   TORCH_CHECK(a.size(m + 1) == b.size(m) && out.size(m) == a.size(m) && out.size(m + 1) == b.size(m + 1) &&
                   batches_match,
               who, ": shapes do not chain: a ", a.sizes(), ", b ", b.sizes(), ", out ", out.sizes());
@@ -146,10 +149,12 @@ void batched_gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::
   TORCH_CHECK(a.dim() >= 3 && a.dim() <= 8, "batched_gemm_into: expected 3-D to 8-D operands, got a ", a.sizes());
   check_shapes("batched_gemm_into", out, a, b, a.dim());
   if (is_bf16_product(a)) return bf16_matmul(out, a, b, alpha, beta);
+  // The f-th matrix of an operand along its leading axis (the only one where that axis is broadcast).
+  const auto at = [](const torch::Tensor& t, int64_t f) { return t[t.size(0) == 1 ? 0 : f]; };
   if (a.dim() > 3) {  // one leading axis at a time
     for (int64_t f = 0; f < out.size(0); ++f) {
       auto o = out[f];
-      batched_gemm_into(o, a[f], b[f], alpha, beta);
+      batched_gemm_into(o, at(a, f), at(b, f), alpha, beta);
     }
     return;
   }
@@ -157,14 +162,15 @@ void batched_gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::
   if (out.scalar_type() == torch::kFloat && out.device().is_cpu()) {
     for (int64_t f = 0; f < out.size(0); ++f) {
       auto o = out[f];
-      product_into(o, a[f], b[f], alpha, beta);
+      product_into(o, at(a, f), at(b, f), alpha, beta);
     }
     return;
   }
+  const auto ae = a.expand({out.size(0), a.size(1), a.size(2)}), be = b.expand({out.size(0), b.size(1), b.size(2)});
   if (beta == 0.0)
-    out.copy_(torch::bmm(a, b).mul_(alpha));
+    out.copy_(torch::bmm(ae, be).mul_(alpha));
   else
-    out.baddbmm_(a, b, beta, alpha);
+    out.baddbmm_(ae, be, beta, alpha);
 }
 
 }  // namespace capsnet::kernels

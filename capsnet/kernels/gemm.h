@@ -19,7 +19,8 @@ void gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& 
                double beta = 0.0);
 
 /// The same product per leading index: a: [F..., M, K], b: [F..., K, N], out: [F..., M, N] with one or more
-/// leading batch axes of any strides (each matrix as above). bf16 operands: one oneDNN matmul over all of them.
+/// leading batch axes of any strides (each matrix as above); a batch axis of a or b may have size 1, broadcast
+/// over out's. bf16 operands: one oneDNN matmul over all of them.
 void batched_gemm_into(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b, double alpha = 1.0,
                        double beta = 0.0);
 

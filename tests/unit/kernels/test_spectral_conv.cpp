@@ -448,6 +448,12 @@ TEST(Gemm, EqualsMatmulForEveryLayout) {
     const auto before4 = out4.clone();
     kernels::batched_gemm_into(out4, a4, b4, 2.0, -1.0);
     EXPECT_LT(max_abs_diff(out4, 2.0 * torch::matmul(a4, b4) - before4), tol);
+    // A batch axis of size 1 broadcast: a's, then b's.
+    const auto a1 = torch::randn({1, 5, 7}, dtype), b1 = torch::randn({1, 7, 4}, dtype);
+    kernels::batched_gemm_into(bout, a1, bb);
+    EXPECT_LT(max_abs_diff(bout, torch::matmul(a1, bb)), tol);
+    kernels::batched_gemm_into(bout, ba, b1);
+    EXPECT_LT(max_abs_diff(bout, torch::matmul(ba, b1)), tol);
   }
 }
 
@@ -485,6 +491,12 @@ TEST(Gemm, Bf16OperandsSumInFp32) {
   auto bout = torch::empty({3, 5, 4});
   kernels::batched_gemm_into(bout, ba, bb, 1.5);
   EXPECT_LT(relative(bout, 1.5 * torch::bmm(f64(ba), f64(bb))), 1e-6);
+  // A batch axis of size 1 broadcast over out's (a's, then b's).
+  const auto a1 = bf(torch::randn({1, 5, 40})), b1 = bf(torch::randn({1, 40, 4}));
+  kernels::batched_gemm_into(bout, a1, bb);
+  EXPECT_LT(relative(bout, torch::matmul(f64(a1), f64(bb))), 1e-6);
+  kernels::batched_gemm_into(bout, ba, b1);
+  EXPECT_LT(relative(bout, torch::matmul(f64(ba), f64(b1))), 1e-6);
   // Two batch axes whose strides do not merge into one (columns 1-2 of 5 on the second axis), into a view.
   const auto a4 = bf(torch::randn({3, 5, 6, 40})).narrow(1, 1, 2);
   const auto b4 = bf(torch::randn({3, 5, 4, 40})).narrow(1, 2, 2).transpose(-2, -1);
