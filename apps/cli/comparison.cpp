@@ -19,6 +19,8 @@ void ComparisonFlags::validate(int64_t train_images) const {
   if (validation_size < 0 || validation_size >= train_images)
     throw std::invalid_argument(fmt::format("--val {} must leave training images: the training set has {}",
                                             validation_size, train_images));
+  if (eval_every > 0 && validation_size == 0)
+    throw std::invalid_argument("--eval-every needs --val: the points between epochs validate, never test");
   if (batch_size > train_images - validation_size)
     throw std::invalid_argument(fmt::format("--batch-size {} is larger than the {} training images", batch_size,
                                             train_images - validation_size));
@@ -26,6 +28,7 @@ void ComparisonFlags::validate(int64_t train_images) const {
 
 nlohmann::json ComparisonFlags::to_json() const {
   nlohmann::json j = {{"batch_size", batch_size}, {"lr", lr}, {"seed", seed}, {"validation_size", validation_size}};
+  if (eval_every > 0) j["eval_every"] = eval_every;
   if (epochs > 0) {
     j["epochs"] = epochs;
     j["lr_decay"] = lr_decay;
@@ -74,6 +77,11 @@ void add_comparison_flags(CLI::App& app, ComparisonFlags& f, const std::string& 
                  "Hold out the last N training images as a validation split, evaluated after every epoch; each "
                  "model is scored with its best-validation checkpoint (best.pt). 0 = none")
       ->capture_default_str();
+  app.add_option("--eval-every", f.eval_every,
+                 "With --val: also validate every N steps (the test set is not scored there), keeping the best as "
+                 "best.pt and checking --target-accuracy there too, so a model stops near the target accuracy "
+                 "rather than at the end of the epoch that passes it (0 = at epoch ends only)")
+      ->capture_default_str();
   app.add_flag("--resume", f.resume,
                "Continue each model exactly from OUT/<model>/checkpoint.pt where there is one (same options); "
                "a model that reached --target-accuracy is only evaluated");
@@ -110,6 +118,8 @@ train::LoopOptions comparison_loop_options(const ComparisonFlags& f, const std::
   o.max_steps = f.epochs > 0 ? 0 : f.steps;
   o.lr_decay = f.epochs > 0 ? f.lr_decay : 1;
   o.target_accuracy = f.epochs > 0 ? f.target_accuracy : 0;
+  o.eval_every = f.eval_every;
+  o.eval_every_tests = false;
   return o;
 }
 

@@ -23,6 +23,7 @@ struct ComparisonFlags {
   int64_t epochs = 0;              // > 0: whole epochs, evaluated after each
   int64_t batch_size = 32, eval_batch_size = 100, log_every = 25, checkpoint_every = 500;
   int64_t validation_size = 0;     // the last N training images are held out as a validation split
+  int64_t eval_every = 0;          // > 0 (with --val): also validate every N steps, the target checked there
   double lr = 1e-3, lr_decay = 1, target_accuracy = 0;
   uint64_t seed = 1;
   bool resume = false, no_progress = false;
@@ -35,7 +36,7 @@ struct ComparisonFlags {
   nlohmann::json to_json() const;
 };
 
-/// Registers --steps, --epochs, --target-accuracy, --lr-decay, --checkpoint-every, --val, --resume,
+/// Registers --steps, --epochs, --target-accuracy, --lr-decay, --checkpoint-every, --val, --eval-every, --resume,
 /// --precision, --batch-size, --lr, --seed, --eval-batch-size, --log-every, --no-progress and --threads
 /// with the values already in `f` as their defaults. `epoch_evaluation` names what is evaluated after
 /// each epoch besides the validation split (e.g. "the translated test set"; empty: nothing, the test set is

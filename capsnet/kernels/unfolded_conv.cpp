@@ -21,21 +21,20 @@ class UnfoldedConvFunction : public torch::autograd::Function<UnfoldedConvFuncti
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
                                const torch::Tensor& b, std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
     const int64_t N = x.size(0), O = w.size(0), K = w.size(1) * w.size(2) * w.size(3);
-    const bool bias = b.numel() > 0;  // no bias: an empty tensor (autograd functions take no undefined input)
     const std::array<int64_t, 2> kernel{w.size(2), w.size(3)};
     const int64_t P = (x.size(2) + 2 * padding[0] - kernel[0]) / stride[0] + 1;
     const int64_t Q = (x.size(3) + 2 * padding[1] - kernel[1]) / stride[1] + 1;
-    // The weight and bias side by side in x's dtype: wa: [O, K (+1)].
-    auto wa = torch::empty({O, K + (bias ? 1 : 0)}, x.options());
+    // The weight and bias side by side in x's dtype: wa: [O, K + 1].
+    auto wa = torch::empty({O, K + 1}, x.options());
     wa.narrow(1, 0, K).copy_(w.reshape({O, K}));
-    if (bias) wa.select(1, K).copy_(b);
+    wa.select(1, K).copy_(b);
     auto y = torch::empty({N, O, P, Q}, x.options());  // y: [N, O, P, Q]
     const auto y3 = y.view({N, O, P * Q});
     // The patches a chunk of images at a time.
     const int64_t chunk = std::max<int64_t>(1, kUnfoldedChunkBytes / (wa.size(1) * P * Q * x.element_size()));
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
       const int64_t n = std::min(chunk, N - n0);
-      const auto cols = unfolded_patches(x.narrow(0, n0, n), kernel, stride, padding, bias);  // [n, K (+1), L]
+      const auto cols = unfolded_patches(x.narrow(0, n0, n), kernel, stride, padding, true);  // [n, K + 1, L]
       auto yn = y3.narrow(0, n0, n);
       batched_gemm_into(yn, wa.unsqueeze(0), cols);
     }
@@ -46,7 +45,7 @@ class UnfoldedConvFunction : public torch::autograd::Function<UnfoldedConvFuncti
     ctx->saved_data["stride"] = as_vector(stride);
     ctx->saved_data["padding"] = as_vector(padding);
     ctx->saved_data["w_dtype"] = w.scalar_type();
-    ctx->saved_data["b_dtype"] = bias ? b.scalar_type() : w.scalar_type();
+    ctx->saved_data["b_dtype"] = b.scalar_type();
     return y;
   }
 
@@ -59,18 +58,17 @@ class UnfoldedConvFunction : public torch::autograd::Function<UnfoldedConvFuncti
                 "differentiating the gradient) is not implemented");
     const auto saved = ctx->get_saved_variables();
     const auto& x = saved[0];   // x: [N, C, H, W]
-    const auto& wa = saved[1];  // wa: [O, K (+1)]
+    const auto& wa = saved[1];  // wa: [O, K + 1]
     const auto kernel = as_array(ctx->saved_data["kernel"]);
     const auto stride = as_array(ctx->saved_data["stride"]);
     const auto padding = as_array(ctx->saved_data["padding"]);
     const int64_t N = x.size(0), O = wa.size(0), C = x.size(1), K = C * kernel[0] * kernel[1];
-    const bool bias = wa.size(1) > K;
     const auto dy = grads[0].to(x.scalar_type()).contiguous().view({N, O, -1});  // dy: [N, O, L]
     const int64_t L = dy.size(2);
     const auto acc = x.options().dtype(sum_dtype(x.scalar_type()));
     torch::Tensor dx, dw, db;
     if (ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
-      // One product per image (dy_n cols_n^T), summed over the batch: [dw | db]: [O, K (+1)]. The patches and
+      // One product per image (dy_n cols_n^T), summed over the batch: [dw | db]: [O, K + 1]. The patches and
       // the per-image products exist a chunk of images at a time. (The product per image measured against
       // the transposed product cols_n dy_n^T, a contiguous copy of cols^T, and one accumulating product
       // per image: as fast, 1.2x and 1.4x slower; docs/kernels.md.)
@@ -79,7 +77,7 @@ class UnfoldedConvFunction : public torch::autograd::Function<UnfoldedConvFuncti
       auto dwa = torch::zeros({O, wa.size(1)}, acc);
       for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         const int64_t n = std::min(chunk, N - n0);
-        const auto cols = unfolded_patches(x.narrow(0, n0, n), kernel, stride, padding, bias);  // [n, K (+1), L]
+        const auto cols = unfolded_patches(x.narrow(0, n0, n), kernel, stride, padding, true);  // [n, K + 1, L]
         auto parts = torch::empty({n, O, wa.size(1)}, acc);
         batched_gemm_into(parts, dy.narrow(0, n0, n), cols.transpose(1, 2));
         dwa += parts.sum(0);
@@ -131,7 +129,8 @@ torch::Tensor conv2d_unfolded(const torch::Tensor& x, const torch::Tensor& w, co
   TORCH_CHECK(x.size(2) + 2 * padding[0] >= w.size(2) && x.size(3) + 2 * padding[1] >= w.size(3),
               "conv2d_unfolded: the kernel ", w.size(2), "x", w.size(3), " does not fit the padded input ",
               x.size(2) + 2 * padding[0], "x", x.size(3) + 2 * padding[1]);
-  return UnfoldedConvFunction::apply(x, w, b.defined() ? b : torch::empty({0}, w.options()), stride, padding);
+  // Custom autograd functions take no undefined inputs: a missing bias is a zero one that needs no gradient.
+  return UnfoldedConvFunction::apply(x, w, b.defined() ? b : torch::zeros({w.size(0)}, w.options()), stride, padding);
 }
 
 }  // namespace capsnet::kernels

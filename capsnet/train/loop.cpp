@@ -553,14 +553,17 @@ class LoopRun {
     // The validation comes before the checkpoint, so that the checkpoint records the best so far and
     // best.pt can be a copy of it. Validations run at the epoch ends that evaluate and at the eval_every
     // points; a new best at a mid-epoch point is saved there.
-    bool new_best = false;
+    bool new_best = false, validated_here = false;
     if (lead_ && (epoch_evaluates || mid_point)) {
       auto v = evaluate_split("val");
       if (v) new_best = best_.offer(*v, step_);
+      validated_here = v.has_value();
       if (v || epoch_evaluates) result_.validation = std::move(v);
     }
     if (epoch_evaluates || mid_point) check_patience();
-    if (result_.patience_spent && !epoch_end) {
+    if (mid_point && options_.target_accuracy > 0)
+      result_.target_reached = everyone_knows(validated_here && reached_target(*result_.validation));
+    if ((result_.patience_spent || result_.target_reached) && !epoch_end) {
       // The run ends here: save, evaluate and report as at a last step.
       epoch_end = true;
       epoch_evaluates = true;
@@ -584,7 +587,7 @@ class LoopRun {
                       {"path", best_checkpoint_path(options_.out_dir)}});
     }
     // A mid-epoch learning-curve point; an epoch end evaluates below (when it evaluates at all).
-    if (lead_ && mid_point && !epoch_evaluates) {
+    if (lead_ && mid_point && !epoch_evaluates && options_.eval_every_tests) {
       if (auto e = evaluate_split("test")) {
         log_ << fmt::format("step {} (epoch {:.3g}): {}\n", step_, schedule_.epochs_done(step_), e->summary)
              << std::flush;

@@ -153,9 +153,13 @@ struct LoopOptions {
   double target_accuracy = 0;
   /// > 0: also evaluate after every eval_every-th step (beside the epoch ends), on rank 0, with an
   /// "eval" record and a log line: a learning curve for runs measured in steps rather than epochs
-  /// (generated data). 0 = only at epoch ends / the end. Not a resume key. The target accuracy is
-  /// still checked at epoch ends only.
+  /// (generated data). 0 = only at epoch ends / the end. Not a resume key. A task with a validation
+  /// split also has its target accuracy checked at these points (on the validation; a point that reaches it
+  /// ends the run there, saved and tested as a last step); without one, at epoch ends only.
   int64_t eval_every = 0;
+  /// false: the eval_every points validate only, without the test evaluation (a comparison that scores its
+  /// models on its own test sets at the end and must not spend test time on curves). Not a resume key.
+  bool eval_every_tests = true;
   /// > 0: early stopping. At each validation (epoch ends that evaluate, eval_every points) the run stops
   /// when the best validation is at least this many steps old; the stop is saved, validated and tested
   /// like a last step. Needs a task with a validation split. Not a resume key.

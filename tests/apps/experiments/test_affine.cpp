@@ -732,5 +732,23 @@ TEST(AffineCliTest, EpochModeEvaluatesEveryEpochStopsAtTheTargetAndResumes) {
   EXPECT_TRUE(testing::FailsSaying(run.run("affine", common + "--target-accuracy 0.99"), "--epochs"));
 }
 
+// --eval-every validates between epoch ends (the target is checked there: LoopTest covers the stop), and
+// never spends test time there: the translated test set is scored at the epoch end only.
+TEST(AffineCliTest, EvalEveryValidatesBetweenEpochsWithoutTesting) {
+  const testing::CliFolder run("run");
+  testing::write_mnist_dir(run.data, digit_like_set(16, 33), digit_like_set(6, 34));
+  const std::string common = "--model cnn --batch-size 4 --precision fp32 --no-robustness --epochs 1 ";
+  // 16 images less 4 held out, batch 4: 3 steps, validated at each.
+  auto r = run.run("affine", common + "--val 4 --eval-every 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto row = read_json(run.out + "/affine.json")["results"][0];
+  std::vector<std::pair<std::string, int64_t>> points;
+  for (const auto& p : row["epoch_curve"]) points.emplace_back(p["split"].get<std::string>(), p["step"].get<int64_t>());
+  const std::vector<std::pair<std::string, int64_t>> expected = {
+      {"val", 1}, {"val", 2}, {"val", 3}, {"translated_mnist", 3}};
+  EXPECT_EQ(points, expected) << row.dump() << "\n" << r.output;
+  EXPECT_TRUE(testing::FailsSaying(run.run("affine", common + "--eval-every 1"), "--eval-every needs --val"));
+}
+
 }  // namespace
 }  // namespace capsnet

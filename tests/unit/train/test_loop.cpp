@@ -397,6 +397,54 @@ TEST(LoopTest, ATargetAccuracyStopsAtTheFirstEpochThatReachesIt) {
   EXPECT_EQ(train::run(mse_only, o3, log).end_step, 6);
 }
 
+TEST(LoopTest, ATargetAccuracyIsCheckedAtEvalEveryValidationsToo) {
+  TempDir dir;
+  std::ostringstream log;
+  // Epochs of 3 steps, validated every 2nd step too: steps 2 (0.5), 3 (epoch end, 0.6), 4 (0.9). Step 4
+  // reaches the target: the run stops there, saved, best.pt and tested as a last step.
+  const auto validated = [&](const std::string& name, bool tests) {
+    auto o = options(dir / name);
+    o.epochs = 5;
+    o.eval_every = 2;
+    o.eval_every_tests = tests;
+    o.target_accuracy = 0.9;
+    return o;
+  };
+  auto o = validated("val", true);
+  ScriptedTask task(ScriptedTask::Split::kValidation, {0.5, 0.6, 0.9, 0.95});
+  auto r = train::run(task, o, log);
+  EXPECT_TRUE(r.target_reached);
+  EXPECT_EQ(r.end_step, 4);
+  EXPECT_EQ(r.best_validation_step, 4);
+  EXPECT_EQ(task.evaluations, 3) << "the test set at step 2 (a curve point), 3 (epoch end) and 4 (the stop)";
+  EXPECT_EQ(train::read_checkpoint_meta(train::checkpoint_path(o.out_dir)).step, 4);
+  EXPECT_EQ(train::read_checkpoint_meta(train::best_checkpoint_path(o.out_dir)).step, 4);
+  EXPECT_NE(log.str().find("stopping after step 4 of 15: the target accuracy 90.00% is reached"), std::string::npos)
+      << log.str();
+  auto end = records(o.out_dir, "end").at(0);
+  EXPECT_EQ(end["target_reached"], true);
+  EXPECT_EQ(end["step"], 4);
+
+  // eval_every_tests = false: the curve points validate only; the epoch end and the stop are still tested.
+  auto o2 = validated("val-only", false);
+  ScriptedTask quiet(ScriptedTask::Split::kValidation, {0.5, 0.6, 0.9});
+  auto r2 = train::run(quiet, o2, log);
+  EXPECT_EQ(r2.end_step, 4);
+  EXPECT_EQ(quiet.evaluations, 2);
+  std::vector<int64_t> tested;
+  for (const auto& e : records(o2.out_dir, "eval"))
+    if (e["split"] == "test") tested.push_back(e["step"].get<int64_t>());
+  EXPECT_EQ(tested, (std::vector<int64_t>{3, 4}));
+
+  // Without a validation split the curve points' test accuracy never stops the run (0.95 at step 2); the
+  // epoch ends do (step 3: 0.5, step 6: 0.9, after the curve point at step 4: 0.7).
+  auto o3 = validated("test", true);
+  ScriptedTask tested_only(ScriptedTask::Split::kTest, {0.95, 0.5, 0.7, 0.9});
+  auto r3 = train::run(tested_only, o3, log);
+  EXPECT_TRUE(r3.target_reached);
+  EXPECT_EQ(r3.end_step, 6);
+}
+
 TEST(LoopTest, BestPtIsTheFoldersOwnRunsOrNone) {
   TempDir dir;
   std::ostringstream log;
