@@ -6,13 +6,15 @@ Usage: robustness_figure.py OUT.svg RUN/affine.json [RUN2/affine.json ...]
 One panel per warp family (rotation, shear, scale; "translation only" is every panel's first point at
 severity 0; the two combined settings are a fourth panel at x = 1 and 2). One line per model: the mean
 over the runs given (e.g. seeds), with a bar from the lowest to the highest run where there are several.
-Prints the table it draws (mean, and min-max over the runs); with exactly two models also the difference of
+Prints the table it draws (mean, and min-max over the runs), led by the translated test set the models were
+trained for; the baseline CNN without max-pooling is "cnn-nopool". With exactly two models also the difference of
 their means and whether it is beyond the seed spread (every run of one model above every run of the other).
 """
 import json
 import sys
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"]
+TRANSLATED = "translated test (the training placement)"  # the table's first row; not drawn
 PANELS = [("rotation", "rotation ± (degrees)"), ("shear", "shear ±"), ("scale", "scale 1 ± d per axis"),
           ("combined", "combined: 1 = affNIST-style, 2 = shear ±0.2")]
 
@@ -24,8 +26,12 @@ def load(paths):
             report = json.load(f)
         sets = report["robustness_sets"]
         for row in report["results"]:
+            # The baseline CNN without max-pooling (--cnn-no-pool) is its own model: "cnn-nopool".
+            model = row["model"] + ("-nopool" if row.get("config", {}).get("pooling") is False else "")
             for name, a in row.get("robustness", {}).items():
-                acc.setdefault(row["model"], {}).setdefault(name, []).append(100 * a)
+                acc.setdefault(model, {}).setdefault(name, []).append(100 * a)
+            if "robustness" in row and "translated_mnist_accuracy" in row:
+                acc[model].setdefault(TRANSLATED, []).append(100 * row["translated_mnist_accuracy"])
     return sets, acc
 
 
@@ -39,7 +45,8 @@ def main():
     extra = [f"{models[0]} − {models[1]}", "beyond the seed spread"] if pair else []
     print("| set | " + " | ".join(models + extra) + " |")
     print("|---|" + "---:|" * len(models + extra))
-    for s in sets:
+    rows = ([{"name": TRANSLATED}] if all(TRANSLATED in acc[m] for m in models) else []) + sets
+    for s in rows:
         cells = []
         for m in models:
             v = acc[m][s["name"]]
