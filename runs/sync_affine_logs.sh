@@ -1,7 +1,7 @@
 #!/bin/bash
 # Copies the affine runs' logs and metrics into docs/runs (committed as they go).
 cd /work/main
-for r in affine-s1-capsnet affine-s2-cnn affine-s2-capsnet affine-s1-cnn-nopool-lr1e-3 affine-s1-cnn-nopool; do
+for r in affine-s1-capsnet affine-s2-cnn affine-s2-capsnet affine-s1-cnn-nopool-lr1e-3 affine-s1-cnn-nopool affine-eq95-s{1,2}-{capsnet,cnn,cnn-nopool}; do
   [ -d runs/$r ] || continue
   mkdir -p docs/runs/$r
   cp runs/$r.log docs/runs/$r.log
