@@ -17,8 +17,10 @@ found=0
 for path in "$prefix"*; do
   [ -e "$path" ] || continue
   tag=${path#"$prefix"}
-  tag=${tag%.log}
   case $tag in */*) continue ;; esac
+  # A run has both PREFIX<tag>/ and PREFIX<tag>.log: copy it once, from its log's entry when it has one.
+  if [ -d "$path" ] && [ -f "$path.log" ]; then continue; fi
+  tag=${tag%.log}
   if [ -f "$prefix$tag.log" ]; then cp "$prefix$tag.log" "$dest/$tag.log"; found=1; fi
   if [ -f "$prefix$tag/metrics.jsonl" ]; then cp "$prefix$tag/metrics.jsonl" "$dest/$tag.metrics.jsonl"; found=1; fi
 done
