@@ -82,7 +82,7 @@ struct Schedule {
 struct BestValidation {
   bool found = false;
   std::optional<double> accuracy;  // absent: a loss-only validation
-  double loss = 0;
+  std::optional<double> loss;      // absent: the validation reports no loss (e.g. a classifier's accuracy only)
   int64_t step = 0;
 
   static std::optional<double> number(const nlohmann::json& record, const char* key) {
@@ -98,24 +98,26 @@ struct BestValidation {
     if (!acc && !l) return false;  // nothing to compare
     if (found) {
       if (acc && accuracy) {
-        if (*acc < *accuracy || (*acc == *accuracy && l.value_or(0) >= loss)) return false;
+        // an exact tie goes to the lower loss when both have one, else to the first
+        if (*acc < *accuracy || (*acc == *accuracy && !(l && loss && *l < *loss))) return false;
       } else if (!acc && !accuracy) {
-        if (!(*l < loss)) return false;
+        if (!(loss && *l < *loss)) return false;
       } else {
         return false;  // a record of the other kind: the first kind stays the rule
       }
     }
     found = true;
     accuracy = acc;
-    loss = l.value_or(0);
+    loss = l;
     step = at_step;
     return true;
   }
   /// `options` with this record under "best_validation" (absent while there is none).
   nlohmann::json into(nlohmann::json options) const {
     if (!found) return options;
-    nlohmann::json j = {{"loss", loss}, {"step", step}};
+    nlohmann::json j = {{"step", step}};
     if (accuracy) j["accuracy"] = *accuracy;
+    if (loss) j["loss"] = *loss;
     options["best_validation"] = j;
     return options;
   }
@@ -126,9 +128,8 @@ struct BestValidation {
     if (!j.is_object()) return b;
     b.accuracy = number(j, "accuracy");
     if (b.accuracy && *b.accuracy < 0) b.accuracy.reset();
-    const auto l = number(j, "loss");
-    b.found = b.accuracy || l;
-    b.loss = l.value_or(0);
+    b.loss = number(j, "loss");
+    b.found = b.accuracy || b.loss;
     b.step = static_cast<int64_t>(number(j, "step").value_or(0));
     return b;
   }
@@ -583,7 +584,7 @@ class LoopRun {
       metrics_.write({{"event", "best"},
                       {"step", step_},
                       {"epoch", schedule_.epochs_done(step_)},
-                      {best_.accuracy ? "val_accuracy" : "val_loss", best_.accuracy.value_or(best_.loss)},
+                      {best_.accuracy ? "val_accuracy" : "val_loss", best_.accuracy ? *best_.accuracy : *best_.loss},
                       {"path", best_checkpoint_path(options_.out_dir)}});
     }
     // A mid-epoch learning-curve point; an epoch end evaluates below (when it evaluates at all).
@@ -739,7 +740,7 @@ class LoopRun {
   LoopResult finish() {
     result_.end_step = step_;
     result_.best_validation_accuracy = best_.accuracy;
-    if (best_.found) result_.best_validation_loss = best_.loss;
+    result_.best_validation_loss = best_.loss;
     result_.best_validation_step = best_.step;
     result_.seconds = run_seconds_;
     result_.images_per_second = images_per_second();
@@ -747,7 +748,7 @@ class LoopRun {
         {"event", "end"}, {"step", step_}, {"seconds", run_seconds_}, {"images_per_second", result_.images_per_second}};
     if (best_.found) {
       if (best_.accuracy) end["best_val_accuracy"] = *best_.accuracy;
-      end["best_val_loss"] = best_.loss;
+      if (best_.loss) end["best_val_loss"] = *best_.loss;
       end["best_step"] = best_.step;
     }
     if (options_.patience_steps > 0) end["patience_spent"] = result_.patience_spent;

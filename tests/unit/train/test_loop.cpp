@@ -337,7 +337,7 @@ TEST(LoopTest, OneCycleWarmsUpToThePeakThenAnnealsToNearZeroAndFixesItsLength) {
 /// test evaluation's (kTest) or the epoch-end validation's (kValidation, which also reports a loss of 1).
 class ScriptedTask : public RegressionTask {
  public:
-  enum class Split { kTest, kValidation };
+  enum class Split { kTest, kValidation, kValidationWithoutLoss };
   ScriptedTask(Split split, std::vector<double> accuracies)
       : RegressionTask(10, true), split_(split), accuracies_(std::move(accuracies)) {}
   std::optional<train::Evaluation> evaluate(std::ostream* log) override {
@@ -346,8 +346,9 @@ class ScriptedTask : public RegressionTask {
     return train::Evaluation{{{"accuracy", acc}}, fmt::format("accuracy {}", acc)};
   }
   std::optional<train::Evaluation> evaluate_validation(std::ostream* log) override {
-    if (split_ != Split::kValidation) return RegressionTask::evaluate_validation(log);
+    if (split_ == Split::kTest) return RegressionTask::evaluate_validation(log);
     const double acc = next(validations_);
+    if (split_ == Split::kValidationWithoutLoss) return train::Evaluation{{{"accuracy", acc}}, fmt::format("val {}", acc)};
     return train::Evaluation{{{"accuracy", acc}, {"loss", 1.0}}, fmt::format("val {}", acc)};
   }
 
@@ -395,6 +396,39 @@ TEST(LoopTest, ATargetAccuracyStopsAtTheFirstEpochThatReachesIt) {
   o3.epochs = 2;
   o3.target_accuracy = 0.5;
   EXPECT_EQ(train::run(mse_only, o3, log).end_step, 6);
+}
+
+TEST(LoopTest, AnAccuracyOnlyValidationRecordsNoLoss) {
+  TempDir dir;
+  std::ostringstream log;
+  // Validations without a "loss" (a classifier scored by accuracy alone): epochs 1-3 score 0.5, 0.7, 0.7. The
+  // tie goes to the first (step 6); no loss is invented in the result, the end record or the checkpoints.
+  auto o = options(dir / "run");
+  o.epochs = 3;
+  ScriptedTask task(ScriptedTask::Split::kValidationWithoutLoss, {0.5, 0.7, 0.7});
+  auto r = train::run(task, o, log);
+  EXPECT_EQ(r.best_validation_step, 6);
+  ASSERT_TRUE(r.best_validation_accuracy.has_value());
+  EXPECT_EQ(*r.best_validation_accuracy, 0.7);
+  EXPECT_FALSE(r.best_validation_loss.has_value());
+  auto end = records(o.out_dir, "end").at(0);
+  EXPECT_EQ(end["best_val_accuracy"], 0.7);
+  EXPECT_EQ(end["best_step"], 6);
+  EXPECT_FALSE(end.contains("best_val_loss")) << end.dump();
+  const auto best = train::read_checkpoint_meta(train::checkpoint_path(o.out_dir)).train_options.at("best_validation");
+  EXPECT_EQ(best.at("step"), 6);
+  EXPECT_EQ(best.at("accuracy"), 0.7);
+  EXPECT_FALSE(best.contains("loss")) << best.dump();
+
+  // Resumed for a 4th epoch scoring 0.7 again: the kept best (step 6) still wins the tie.
+  auto resumed = o;
+  resumed.epochs = 4;
+  resumed.resume = train::checkpoint_path(o.out_dir);
+  ScriptedTask again(ScriptedTask::Split::kValidationWithoutLoss, {0.7});
+  auto r2 = train::run(again, resumed, log);
+  EXPECT_EQ(r2.end_step, 12);
+  EXPECT_EQ(r2.best_validation_step, 6);
+  EXPECT_FALSE(r2.best_validation_loss.has_value());
 }
 
 TEST(LoopTest, ATargetAccuracyIsCheckedAtEvalEveryValidationsToo) {
