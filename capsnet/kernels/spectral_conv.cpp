@@ -357,7 +357,7 @@ torch::Tensor spectral_forward(int64_t N, const torch::TensorOptions& spectra, c
   }
   auto y = torch::empty({N, O, g.output[0], g.output[1]}, sums);
   {
-    CAPSNET_PROFILE_SCOPE("spectral::forward.inverse");
+    CAPSNET_PROFILE_SCOPE("spectral::forward.inverse_last");
     last_axis_inverse_into(y, u, g.circle, g.stride[1], g.output);
   }
   if (b.defined()) y.add_(b.view({1, -1, 1, 1}).to(y.scalar_type()));
@@ -528,7 +528,7 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
         }
         w_kept = torch::Tensor();
       }
-      CAPSNET_PROFILE_SCOPE("spectral::input_grad.inverse");
+      CAPSNET_PROFILE_SCOPE("spectral::input_grad.inverse_last");
       if (!dx_first) dy_last_axis = torch::Tensor();  // the input gradient's loop runs last
       dx = torch::empty({N, C, input_size[0], input_size[1]}, input_options);
       // Rows and columns past the circle were never read: zero gradient.
@@ -553,7 +553,7 @@ class SpectralConv2dFunction : public torch::autograd::Function<SpectralConv2dFu
       }
       xs = torch::Tensor();
       if (dx_first) dy_last_axis = dz_whole = torch::Tensor();
-      CAPSNET_PROFILE_SCOPE("spectral::weight_grad.inverse");
+      CAPSNET_PROFILE_SCOPE("spectral::weight_grad.inverse_last");
       dw = torch::empty(w.sizes(), w.options());
       last_axis_inverse_into(dw, u, circle, 1, kernel);
     };
