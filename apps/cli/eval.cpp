@@ -22,8 +22,9 @@ namespace {
 
 struct EvalFlags {
   DataFlags data;
-  std::string checkpoint, split = "test", images, labels;
-  int64_t limit = 0, batch_size = 250;
+  std::vector<std::string> checkpoints;  // more than one: their ensemble
+  std::string checkpoint, split = "test", images, labels;  // checkpoint: the first (named in messages)
+  int64_t limit = 0, batch_size = 250, val = 0;
   bool json = false, no_progress = false;
   int threads = 0;
   std::string precision = "fp32";
@@ -114,8 +115,66 @@ data::ImageSet eval_set(EvalFlags& f, const CLI::App& app, const ScoredModel& m)
                                             "of its side with --images/--labels (e.g. from capsnet affine "
                                             "--write-sets)",
                                             f.checkpoint, m.net.image_size(), m.net.image_size()));
+  if (f.val > 0) {  // the validation split of capsnet train --val N: the last N training images
+    const auto train_set = data::load_mnist(f.data.resolved(), data::Split::kTrain);
+    if (f.val >= train_set.size())
+      throw std::invalid_argument(fmt::format("--val {} is not less than the {} training images of {}", f.val,
+                                              train_set.size(), f.data.resolved()));
+    return data::take(data::split_tail(train_set, f.val).second, f.limit);
+  }
   auto split = f.split == "train" ? data::Split::kTrain : data::Split::kTest;
   return data::take(data::load_mnist(f.data.resolved(), split), f.limit);
+}
+
+/// The name of the scored set in the output.
+std::string split_name(const EvalFlags& f) {
+  if (!f.images.empty()) return f.images;
+  if (f.val > 0) return "validation";
+  return f.split;
+}
+
+/// Every --checkpoint as a CapsNet of the first one's input and classes, for an ensemble.
+std::vector<models::CapsNet> ensemble_members(const EvalFlags& f, const ScoredModel& first, Precision precision) {
+  std::vector<models::CapsNet> members;
+  for (const auto& path : f.checkpoints) {
+    auto m = path == f.checkpoint ? first : load_scored_model(path, precision);
+    const auto* net = std::get_if<models::CapsNet>(&m.net.network);
+    if (net == nullptr)
+      throw std::invalid_argument(fmt::format("{}: an ensemble takes CapsNet checkpoints; this file holds {}", path,
+                                              train::describe_model_kind(m.net.kind)));
+    if (m.net.image_size() != first.net.image_size() || m.net.image_channels() != first.net.image_channels() ||
+        m.net.spec.class_names != first.net.spec.class_names)
+      throw std::invalid_argument(fmt::format(
+          "{}: an ensemble's models must share input and classes: it takes {}x{}x{} images of classes ({}), {} "
+          "takes {}x{}x{} of ({})",
+          path, m.net.image_channels(), m.net.image_size(), m.net.image_size(), fmt::join(m.net.spec.class_names, ", "),
+          f.checkpoint, first.net.image_channels(), first.net.image_size(), first.net.image_size(),
+          fmt::join(first.net.spec.class_names, ", ")));
+    members.push_back(*net);
+  }
+  return members;
+}
+
+void print_ensemble(const EvalFlags& f, const ScoredModel& first, const train::EnsembleResult& e) {
+  const auto& r = e.ensemble;
+  if (f.json) {
+    nlohmann::json j = {{"checkpoints", f.checkpoints},   {"model", "capsnet-ensemble"},
+                        {"split", split_name(f)},         {"examples", r.examples},
+                        {"accuracy", r.accuracy},         {"error", 1 - r.accuracy},
+                        {"member_accuracy", e.member_accuracy}, {"classes", first.net.spec.class_names}};
+    auto c = r.confusion.accessor<int64_t, 2>();
+    for (int64_t i = 0; i < r.confusion.size(0); ++i)
+      j["confusion"].push_back(std::vector<int64_t>(c[i].data(), c[i].data() + r.confusion.size(1)));
+    std::cout << train::dump_json(j) << '\n';
+    return;
+  }
+  for (size_t m = 0; m < f.checkpoints.size(); ++m)
+    std::cout << fmt::format("  {:.2f}%  {}\n", 100 * e.member_accuracy[m], f.checkpoints[m]);
+  std::cout << fmt::format("{} accuracy of the ensemble of {} models (capsule lengths averaged): {:.2f}% (error "
+                           "{:.2f}%, {} of {} wrong)\n",
+                           split_name(f), f.checkpoints.size(), 100 * r.accuracy, 100 * (1 - r.accuracy),
+                           r.examples - r.confusion.diag().sum().item<int64_t>(), r.examples);
+  std::cout << train::format_confusion(r.confusion);
 }
 
 void print_eval(const EvalFlags& f, const ScoredModel& m, const std::string& split_name, const train::EvalResult& r) {
@@ -150,7 +209,11 @@ void print_eval(const EvalFlags& f, const ScoredModel& m, const std::string& spl
 Subcommand add_eval(CLI::App& root) {
   auto f = std::make_shared<EvalFlags>();
   auto* app = root.add_subcommand("eval", "Accuracy and confusion matrix of a checkpoint or weight file (CapsNet, matrix capsules from capsnet em, or the baseline CNN of capsnet affine / stn) on MNIST, Fashion-MNIST, an image folder or any IDX set");
-  app->add_option("--checkpoint", f->checkpoint, "Checkpoint to evaluate (default: the shipped MNIST model, " + std::string(kShippedModel) + ")");
+  app->add_option("--checkpoint", f->checkpoints,
+                  "Checkpoint or weight file to evaluate (default: the shipped MNIST model, " +
+                      std::string(kShippedModel) +
+                      "); given more than once (CapsNets of one input side and class list), their ensemble: each "
+                      "image's capsule lengths averaged over the models, each model's own accuracy beside it");
   add_data_flags(*app, f->data);
   add_image_folder_flags(*app, f->data, /*training=*/false);
   auto* images = app->add_option("--images", f->images,
@@ -159,9 +222,15 @@ Subcommand add_eval(CLI::App& root) {
   auto* labels = app->add_option("--labels", f->labels, "IDX label file of --images (N labels in 0..9)");
   images->needs(labels);
   labels->needs(images);
-  app->add_option("--split", f->split, "test or train")
-      ->check(CLI::IsMember({"test", "train"}))
-      ->capture_default_str();
+  auto* split = app->add_option("--split", f->split, "test or train")
+                    ->check(CLI::IsMember({"test", "train"}))
+                    ->capture_default_str();
+  app->add_option("--val", f->val,
+                  "Score the last N training images instead: the validation split that capsnet train --val N held "
+                  "out (MNIST-format data)")
+      ->check(CLI::NonNegativeNumber)
+      ->excludes(split)
+      ->excludes(images);
   app->add_option("--limit", f->limit, "Only the first N images (0 = all)")->check(CLI::NonNegativeNumber);
   app->add_option("--batch-size", f->batch_size, "Batch size")->check(CLI::PositiveNumber)->capture_default_str();
   app->add_flag("--json", f->json, "Print the result as one JSON object");
@@ -170,13 +239,24 @@ Subcommand add_eval(CLI::App& root) {
   add_precision_flag(*app, f->precision);
 
   return {app, [f, app]() {
-            f->checkpoint = checkpoint_or_shipped(f->checkpoint);
+            if (f->checkpoints.empty()) f->checkpoints.emplace_back();
+            for (auto& c : f->checkpoints) c = checkpoint_or_shipped(c);
+            f->checkpoint = f->checkpoints.front();
+            if (f->val > 0 && f->data.is_folder())
+              throw std::invalid_argument("--val scores MNIST-format data; image folders take --split");
             if (f->threads > 0) set_threads(f->threads);
-            const auto model = load_scored_model(f->checkpoint, precision_from_flag(f->precision));
-            const auto set = eval_set(*f, *app, model);
+            const auto precision = precision_from_flag(f->precision);
+            const auto model = load_scored_model(f->checkpoint, precision);
             std::ostream* progress = f->no_progress || f->json ? nullptr : &std::cerr;
+            if (f->checkpoints.size() > 1) {
+              auto members = ensemble_members(*f, model, precision);
+              const auto set = eval_set(*f, *app, model);
+              print_ensemble(*f, model, train::evaluate_ensemble(members, set, f->batch_size, progress));
+              return 0;
+            }
+            const auto set = eval_set(*f, *app, model);
             const auto r = model.evaluate(set, f->batch_size, progress);
-            print_eval(*f, model, f->images.empty() ? f->split : f->images, r);
+            print_eval(*f, model, split_name(*f), r);
             return 0;
           }};
 }

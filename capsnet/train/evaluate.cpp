@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <functional>
+#include <limits>
+#include <stdexcept>
 #include <utility>
 
 #include "capsnet/data/transforms.h"
@@ -74,6 +76,44 @@ EvalResult evaluate(models::CapsNet& model, const data::ImageSet& set, int64_t b
                                                     model->loss(out, images, labels).total.item<double>() * len);
                             });
   });
+}
+
+EnsembleResult evaluate_ensemble(std::vector<models::CapsNet>& models, const data::ImageSet& set,
+                                 int64_t batch_size, std::ostream* progress) {
+  if (models.empty()) throw std::invalid_argument("evaluate_ensemble: no models");
+  const int64_t K = models.front()->config.num_classes;
+  for (size_t m = 1; m < models.size(); ++m)
+    if (models[m]->config.num_classes != K)
+      throw std::invalid_argument(fmt::format("evaluate_ensemble: model {} has {} classes, model 0 has {}", m,
+                                              models[m]->config.num_classes, K));
+  torch::NoGradGuard no_grad;
+  std::vector<bool> was_training;
+  for (auto& model : models) {
+    was_training.push_back(model->is_training());
+    model->eval();
+  }
+  std::vector<int64_t> correct(models.size(), 0);
+  EnsembleResult r;
+  try {
+    r.ensemble = evaluate_batches(set, K, batch_size, progress, [&](const torch::Tensor& images,
+                                                                    const torch::Tensor& labels) {
+      torch::Tensor sum;  // sum: [len, K], the models' capsule lengths added up
+      for (size_t m = 0; m < models.size(); ++m) {
+        const auto lengths = models[m](images).lengths.to(torch::kFloat);  // [len, K]
+        correct[m] += lengths.argmax(1).eq(labels).sum().item<int64_t>();
+        sum = sum.defined() ? sum.add_(lengths) : lengths.clone();
+      }
+      return std::make_pair(sum.argmax(1), 0.0);
+    });
+  } catch (...) {
+    for (size_t m = 0; m < models.size(); ++m) models[m]->train(was_training[m]);
+    throw;
+  }
+  for (size_t m = 0; m < models.size(); ++m) models[m]->train(was_training[m]);
+  r.ensemble.loss = std::numeric_limits<double>::quiet_NaN();
+  const double n = static_cast<double>(std::max<int64_t>(set.size(), 1));
+  for (const int64_t c : correct) r.member_accuracy.push_back(static_cast<double>(c) / n);
+  return r;
 }
 
 EvalResult evaluate(models::BaselineCnn& model, const data::ImageSet& set, int64_t batch_size,

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "capsnet/data/idx.h"
+#include "capsnet/data/mnist.h"
 #include "capsnet/kernels/precision.h"
 #include "capsnet/viz/png.h"
 #include "test_helpers.h"
@@ -91,6 +92,81 @@ TEST_F(CliTest, EvalPrintsAccuracyAndConfusionAsJson) {
   ASSERT_EQ(text.status, 0) << text.output;
   expect_contains(text.output, "test accuracy:");
   expect_contains(text.output, "true\\pred");
+}
+
+TEST_F(CliTest, EvalScoresAnEnsembleAndEachMember) {
+  const std::string models = std::string(CAPSNET_SOURCE_DIR) + "/models/";
+  const std::string ours = run_ + "/checkpoint.pt", shipped = models + "capsnet-mnist/capsnet-mnist.pt";
+  const auto accuracy_of = [&](const std::string& path) {
+    auto r = run_command(kCli + " eval --checkpoint " + path + " --data " + data_ + " --json");
+    EXPECT_EQ(r.status, 0) << r.output;
+    return nlohmann::json::parse(r.output.substr(r.output.find('{')))["accuracy"].get<double>();
+  };
+  auto r = run_command(kCli + " eval --checkpoint " + ours + " --checkpoint " + shipped + " --data " + data_ + " --json");
+  ASSERT_EQ(r.status, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output.substr(r.output.find('{')));
+  EXPECT_EQ(j["model"], "capsnet-ensemble");
+  EXPECT_EQ(j["examples"], 32);
+  EXPECT_EQ(j["checkpoints"], (std::vector<std::string>{ours, shipped}));
+  ASSERT_EQ(j["member_accuracy"].size(), 2u);
+  EXPECT_DOUBLE_EQ(j["member_accuracy"][0].get<double>(), accuracy_of(ours));
+  EXPECT_DOUBLE_EQ(j["member_accuracy"][1].get<double>(), accuracy_of(shipped));
+  int64_t total = 0, right = 0;
+  for (size_t i = 0; i < j["confusion"].size(); ++i)
+    for (size_t k = 0; k < j["confusion"][i].size(); ++k) {
+      total += j["confusion"][i][k].get<int64_t>();
+      if (i == k) right += j["confusion"][i][k].get<int64_t>();
+    }
+  EXPECT_EQ(total, 32);
+  EXPECT_DOUBLE_EQ(j["accuracy"].get<double>(), right / 32.0);
+  // The same model twice is the model alone.
+  auto twice = run_command(kCli + " eval --checkpoint " + ours + " --checkpoint " + ours + " --data " + data_ + " --json");
+  ASSERT_EQ(twice.status, 0) << twice.output;
+  EXPECT_DOUBLE_EQ(nlohmann::json::parse(twice.output.substr(twice.output.find('{')))["accuracy"].get<double>(),
+                   accuracy_of(ours));
+  auto text = run_command(kCli + " eval --checkpoint " + ours + " --checkpoint " + shipped + " --data " + data_ +
+                          " --no-progress");
+  ASSERT_EQ(text.status, 0) << text.output;
+  expect_contains(text.output, "test accuracy of the ensemble of 2 models (capsule lengths averaged):");
+  expect_contains(text.output, shipped);
+
+  // Members that cannot be averaged with the first are refused in one line, naming the file.
+  for (const auto& [other, phrase] : std::vector<std::pair<std::string, std::string>>{
+           {models + "cnn-translated-mnist-40/cnn-translated-mnist-40.pt", "an ensemble takes CapsNet checkpoints"},
+           {models + "capsnet-translated-mnist-40/capsnet-translated-mnist-40.pt", "must share input and classes"}}) {
+    auto bad = run_command(kCli + " eval --checkpoint " + ours + " --checkpoint " + other + " --data " + data_);
+    EXPECT_NE(bad.status, 0) << bad.output;
+    expect_contains(bad.output, phrase);
+    expect_contains(bad.output, other);
+    EXPECT_EQ(bad.output.find("Exception raised from"), std::string::npos) << bad.output;
+  }
+}
+
+TEST_F(CliTest, EvalValScoresTheLastTrainingImages) {
+  const std::string ours = run_ + "/checkpoint.pt";
+  auto r = run_command(kCli + " eval --checkpoint " + ours + " --data " + data_ + " --val 16 --json");
+  ASSERT_EQ(r.status, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output.substr(r.output.find('{')));
+  EXPECT_EQ(j["examples"], 16);
+  EXPECT_EQ(j["split"], "validation");
+  // The same images as an IDX file: the last 16 of the 64 training images.
+  auto train = data::load_mnist(data_, data::Split::kTrain);
+  ASSERT_EQ(train.size(), 64);
+  const std::string images = dir_->str() + "/tail-images", labels = dir_->str() + "/tail-labels";
+  data::write_idx(images, train.images.narrow(0, 48, 16).contiguous());
+  data::write_idx(labels, train.labels.narrow(0, 48, 16).to(torch::kUInt8));
+  auto idx = run_command(kCli + " eval --checkpoint " + ours + " --images " + images + " --labels " + labels + " --json");
+  ASSERT_EQ(idx.status, 0) << idx.output;
+  auto k = nlohmann::json::parse(idx.output.substr(idx.output.find('{')));
+  EXPECT_EQ(k["confusion"], j["confusion"]);
+  EXPECT_DOUBLE_EQ(k["loss"].get<double>(), j["loss"].get<double>());
+
+  for (const auto& [args, phrase] : std::vector<std::pair<std::string, std::string>>{
+           {" --val 64", "not less than the 64 training images"}, {" --val 8 --split train", "--split"}}) {
+    auto bad = run_command(kCli + " eval --checkpoint " + ours + " --data " + data_ + args);
+    EXPECT_NE(bad.status, 0) << args << "\n" << bad.output;
+    expect_contains(bad.output, phrase);
+  }
 }
 
 TEST_F(CliTest, PredictClassifiesIdxAndPng) {
