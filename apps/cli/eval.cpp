@@ -126,6 +126,15 @@ data::ImageSet eval_set(EvalFlags& f, const CLI::App& app, const ScoredModel& m)
   return data::take(data::load_mnist(f.data.resolved(), split), f.limit);
 }
 
+/// A [K, K] int64 confusion matrix as JSON rows.
+nlohmann::json confusion_rows(const torch::Tensor& confusion) {
+  nlohmann::json rows = nlohmann::json::array();
+  auto c = confusion.accessor<int64_t, 2>();
+  for (int64_t i = 0; i < confusion.size(0); ++i)
+    rows.push_back(std::vector<int64_t>(c[i].data(), c[i].data() + confusion.size(1)));
+  return rows;
+}
+
 /// The name of the scored set in the output.
 std::string split_name(const EvalFlags& f) {
   if (!f.images.empty()) return f.images;
@@ -162,9 +171,7 @@ void print_ensemble(const EvalFlags& f, const ScoredModel& first, const train::E
                         {"split", split_name(f)},         {"examples", r.examples},
                         {"accuracy", r.accuracy},         {"error", 1 - r.accuracy},
                         {"member_accuracy", e.member_accuracy}, {"classes", first.net.spec.class_names}};
-    auto c = r.confusion.accessor<int64_t, 2>();
-    for (int64_t i = 0; i < r.confusion.size(0); ++i)
-      j["confusion"].push_back(std::vector<int64_t>(c[i].data(), c[i].data() + r.confusion.size(1)));
+    j["confusion"] = confusion_rows(r.confusion);
     std::cout << train::dump_json(j) << '\n';
     return;
   }
@@ -183,11 +190,7 @@ void print_eval(const EvalFlags& f, const ScoredModel& m, const std::string& spl
     nlohmann::json j = {{"checkpoint", f.checkpoint}, {"model", m.net.kind},  {"split", split_name},
                         {"examples", r.examples},     {"accuracy", r.accuracy}, {"error", 1 - r.accuracy},
                         {"loss", r.loss},             {"classes", spec.class_names}};
-    auto c = r.confusion.accessor<int64_t, 2>();
-    for (int64_t i = 0; i < r.confusion.size(0); ++i) {
-      std::vector<int64_t> row(c[i].data(), c[i].data() + r.confusion.size(1));
-      j["confusion"].push_back(row);
-    }
+    j["confusion"] = confusion_rows(r.confusion);
     std::cout << train::dump_json(j) << '\n';
     return;
   }

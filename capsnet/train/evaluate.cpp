@@ -6,6 +6,7 @@
 #include <limits>
 #include <stdexcept>
 #include <utility>
+#include <vector>
 
 #include "capsnet/data/transforms.h"
 #include "capsnet/train/metrics.h"
@@ -52,15 +53,32 @@ EvalResult evaluate_batches(const data::ImageSet& set, int64_t K, int64_t batch_
   return r;
 }
 
+// Puts modules in eval mode for its lifetime and restores each one's mode afterwards (also on a throw).
+class EvalModeGuard {
+ public:
+  explicit EvalModeGuard(std::vector<torch::nn::Module*> modules) : modules_(std::move(modules)) {
+    for (auto* m : modules_) {
+      was_training_.push_back(m->is_training());
+      m->eval();
+    }
+  }
+  ~EvalModeGuard() {
+    for (size_t i = 0; i < modules_.size(); ++i) modules_[i]->train(was_training_[i]);
+  }
+  EvalModeGuard(const EvalModeGuard&) = delete;
+  EvalModeGuard& operator=(const EvalModeGuard&) = delete;
+
+ private:
+  std::vector<torch::nn::Module*> modules_;
+  std::vector<bool> was_training_;
+};
+
 // Runs `body` with `model` in eval mode and no gradients, restoring its mode afterwards.
 template <class F>
 EvalResult in_eval_mode(torch::nn::Module& model, F&& body) {
   torch::NoGradGuard no_grad;
-  const bool was_training = model.is_training();
-  model.eval();
-  auto r = body();
-  if (was_training) model.train();
-  return r;
+  const EvalModeGuard eval_mode({&model});
+  return body();
 }
 
 }  // namespace
@@ -87,14 +105,12 @@ EnsembleResult evaluate_ensemble(std::vector<models::CapsNet>& models, const dat
       throw std::invalid_argument(fmt::format("evaluate_ensemble: model {} has {} classes, model 0 has {}", m,
                                               models[m]->config.num_classes, K));
   torch::NoGradGuard no_grad;
-  std::vector<bool> was_training;
-  for (auto& model : models) {
-    was_training.push_back(model->is_training());
-    model->eval();
-  }
+  std::vector<torch::nn::Module*> modules;
+  for (auto& model : models) modules.push_back(model.ptr().get());
   std::vector<int64_t> correct(models.size(), 0);
   EnsembleResult r;
-  try {
+  {
+    const EvalModeGuard eval_mode(modules);
     r.ensemble = evaluate_batches(set, K, batch_size, progress, [&](const torch::Tensor& images,
                                                                     const torch::Tensor& labels) {
       torch::Tensor sum;  // sum: [len, K], the models' capsule lengths added up
@@ -105,11 +121,7 @@ EnsembleResult evaluate_ensemble(std::vector<models::CapsNet>& models, const dat
       }
       return std::make_pair(sum.argmax(1), 0.0);
     });
-  } catch (...) {
-    for (size_t m = 0; m < models.size(); ++m) models[m]->train(was_training[m]);
-    throw;
   }
-  for (size_t m = 0; m < models.size(); ++m) models[m]->train(was_training[m]);
   r.ensemble.loss = std::numeric_limits<double>::quiet_NaN();
   const double n = static_cast<double>(std::max<int64_t>(set.size(), 1));
   for (const int64_t c : correct) r.member_accuracy.push_back(static_cast<double>(c) / n);
