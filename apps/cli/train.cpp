@@ -183,7 +183,8 @@ int run_train(TrainFlags& f, std::shared_ptr<train::ProcessGroup> group) {
 
 Subcommand add_train(CLI::App& root) {
   auto f = std::make_shared<TrainFlags>();
-  auto* app = root.add_subcommand("train", "Train a CapsNet on MNIST (checkpoint + metrics.jsonl in --out)");
+  auto* app =
+      root.add_subcommand("train", "Train a CapsNet on MNIST or Fashion-MNIST (checkpoint + metrics.jsonl in --out)");
   add_train_flags(*app, *f);
   return {app, [f, app]() {
             apply_train_flags(*f, *app);
