@@ -4,21 +4,19 @@ Reads sN.metrics.jsonl beside this file; prints per seed the validation-chosen e
 the average, ties: lower validation loss, as best.pt) with its test accuracy, the last epoch's test accuracy (of
 the average and of the trained weights), the mean and spread over finished seeds, and every fifth epoch's
 validation / test.   Usage: table.py"""
-import json, os, statistics
+import os, statistics, sys
 here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(here))
+from epochs import epochs as read_epochs  # docs/runs/epochs.py: the validation rule
 rows, curves = [], {}
 for seed in (1, 2):
     path = os.path.join(here, f"s{seed}.metrics.jsonl")
     if not os.path.exists(path):
         continue
-    recs = [json.loads(l) for l in open(path) if l.strip()]
-    ev = lambda split: {round(r["epoch"]): r for r in recs if r.get("event") == "eval" and r["split"] == split}
-    val, test = ev("val"), ev("test")
-    epochs = sorted(set(val) & set(test))
-    if not epochs:
+    run = read_epochs(path)
+    if run is None:
         continue
-    best = max(epochs, key=lambda e: (val[e]["accuracy"], -val[e]["loss"]))
-    last = epochs[-1]
+    val, test, epochs, best, last = run["val"], run["test"], run["epochs"], run["best"], run["last"]
     rows.append(dict(seed=seed, epochs=last, best=best, val=val[best]["accuracy"], test=test[best]["accuracy"],
                      last=test[last]["accuracy"], last_trained=test[last].get("trained_accuracy", float("nan"))))
     curves[seed] = {e: (val[e]["accuracy"], test[e]["accuracy"]) for e in epochs}

@@ -4,22 +4,20 @@ recipe, validation split and seeds. Reads docs/runs/mnist-val40-s{1,2}.metrics.j
 docs/runs/mnist-rs01/s{1,2}.metrics.jsonl (0.01); prints per run the validation-chosen epoch (best validation
 accuracy, ties: lower validation loss, as best.pt) with its test accuracy, the last epoch's test accuracy, and
 per-epoch validation / test for the last 10 epochs.   Usage: table.py"""
-import json, os, statistics
+import os, statistics, sys
 here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(here))
+from epochs import epochs as read_epochs  # docs/runs/epochs.py: the validation rule
 runs = {("0.0005", s): os.path.join(here, "..", f"mnist-val40-s{s}.metrics.jsonl") for s in (1, 2)}
 runs.update({("0.01", s): os.path.join(here, f"s{s}.metrics.jsonl") for s in (1, 2)})
 rows, curves = [], {}
 for (scale, seed), path in runs.items():
     if not os.path.exists(path):
         continue
-    recs = [json.loads(l) for l in open(path) if l.strip()]
-    ev = lambda split: {round(r["epoch"]): r for r in recs if r.get("event") == "eval" and r["split"] == split}
-    val, test = ev("val"), ev("test")
-    epochs = sorted(set(val) & set(test))
-    if not epochs:
+    run = read_epochs(path)
+    if run is None:
         continue
-    best = max(epochs, key=lambda e: (val[e]["accuracy"], -val[e]["loss"]))
-    last = epochs[-1]
+    val, test, epochs, best, last = run["val"], run["test"], run["epochs"], run["best"], run["last"]
     rows.append(dict(scale=scale, seed=seed, epochs=last, best=best, val=val[best]["accuracy"],
                      test=test[best]["accuracy"], last=test[last]["accuracy"]))
     curves[(scale, seed)] = [(e, val[e]["accuracy"], test[e]["accuracy"]) for e in epochs]
