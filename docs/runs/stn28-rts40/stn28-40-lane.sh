@@ -1,6 +1,6 @@
 #!/bin/bash
 # ST-CNN (28x28 transformer output, --small) toward the issue's <= 1.0% RTS test error, declared before any
-# result (2026-11-30 14:45 UTC): the 12-epoch protocol of docs/runs/stn28-rts-s1 (both seeds had their best
+# result (2026-11-30 14:24 UTC): the 12-epoch protocol of docs/runs/stn28-rts-s1 (both seeds had their best
 # validation at epoch 11 or 12: not converged) stretched to 40 epochs, the learning rate's per-epoch decay
 # slowed from 0.8 to 0.93 so that it ends at a similar fraction of 1e-3 (0.93^39 = 0.059; 0.8^11 = 0.086).
 # 5,000 validation digits choose the epoch (best.pt), the test set (10,000 digits, seed 2015) is scored there
