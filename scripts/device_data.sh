@@ -1,6 +1,7 @@
 #!/bin/bash
 # Readies this checkout for scripts/device_train.sh on a lent GPU machine (docs/gpu.md): the data as
-# gzipped IDX files in data/device/<dataset>/ (git-ignored; name data/device in the device tool's carry),
+# gzipped IDX files in data/device/<dataset>/ and the affine test sets in data/device/affine-sets/ (git-ignored;
+# name the folders a call needs in the device tool's carry: all of them exceed its 64 MiB),
 # and, because the device tool sends at most 64 MiB of tracked and untracked files while the shipped
 # models alone are ~70 MB, `slim` takes models/*/*.pt out of git's index and moves them to
 # /tmp/capsnet-slim for the call, `unslim` puts them back (if /tmp was lost: git checkout -- models).
@@ -15,7 +16,11 @@ case "${1:-}" in
       [ -f data/device/mnist/$f.gz ] || gzip -9 -c data/mnist/$f > data/device/mnist/$f.gz
       [ -f data/device/fashion-mnist/$f.gz ] || cp /usr/share/datasets/fashion-mnist/$f.gz data/device/fashion-mnist/
     done
-    du -sh data/device ;;
+    if [ ! -f data/device/affine-sets/sets.json ]; then  # the affine experiment's 14 test sets (33 MB gzipped)
+      build/bin/capsnet affine --write-sets data/device/affine-sets --test-limit 0 --threads 1 > /dev/null
+      gzip -9 data/device/affine-sets/*-ubyte
+    fi
+    du -sh data/device/* ;;
   slim)
     files=$(git ls-files 'models/*.pt')
     [ -n "$files" ] || { echo "nothing to slim (already slim?)"; exit 0; }

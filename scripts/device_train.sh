@@ -12,6 +12,9 @@
 #   RUNS="mnist:1 mnist:2 fashion-mnist:1 fashion-mnist:2" TRAIN_MINUTES=7 \
 #   TRAIN_ARGS="--schedule fast --lr 3e-3 --epochs 150 --val 5000" scripts/device_train.sh
 # TRAIN_ARGS_<dataset> (dashes as underscores, e.g. TRAIN_ARGS_fashion_mnist) overrides TRAIN_ARGS for one dataset.
+# RUNS entries affine-cnn-nopool:SEED / affine-cnn:SEED train the affine experiment's unpooled / pooled baseline
+# CNN with apps/gpu/affine_cnn.py instead (data/device/mnist and data/device/affine-sets; its results.json
+# holds every set's accuracy; TRAIN_ARGS_affine_cnn_nopool adds flags).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/device}
@@ -40,13 +43,22 @@ say "ops library: ${lib:-none}; $(grep -m1 '^torch' "$work/env.txt" 2>/dev/null)
 pids=()
 for run in $RUNS; do
   dataset=${run%%:*} seed=${run##*:}
-  data=data/device/$dataset
-  [ -d "$data" ] || { say "$run: no $data (carry data/device)"; continue; }
   dir=$work/$dataset-s$seed
   own=TRAIN_ARGS_${dataset//-/_}  # e.g. TRAIN_ARGS_fashion_mnist: that dataset's own arguments
-  # shellcheck disable=SC2086
-  PYTHONUNBUFFERED=1 $PY apps/gpu/train.py --data "$data" --dataset "$dataset" --seed "$seed" --out "$dir" \
-    --ops-library "$lib" --minutes "$TRAIN_MINUTES" ${!own:-$TRAIN_ARGS} > "$work/$dataset-s$seed.log" 2>&1 &
+  case $dataset in
+    affine-cnn-nopool|affine-cnn)  # the affine experiment's baseline CNN (apps/gpu/affine_cnn.py), no time plan
+      [ -d data/device/affine-sets ] || { say "$run: no data/device/affine-sets (carry it)"; continue; }
+      pool=(); [ "$dataset" = affine-cnn ] && pool=(--pool)
+      # shellcheck disable=SC2086
+      PYTHONUNBUFFERED=1 $PY apps/gpu/affine_cnn.py --data data/device/mnist --sets data/device/affine-sets \
+        --seed "$seed" --out "$dir" "${pool[@]}" ${!own:-} > "$work/$dataset-s$seed.log" 2>&1 & ;;
+    *)
+      data=data/device/$dataset
+      [ -d "$data" ] || { say "$run: no $data (carry data/device/$dataset)"; continue; }
+      # shellcheck disable=SC2086
+      PYTHONUNBUFFERED=1 $PY apps/gpu/train.py --data "$data" --dataset "$dataset" --seed "$seed" --out "$dir" \
+        --ops-library "$lib" --minutes "$TRAIN_MINUTES" ${!own:-$TRAIN_ARGS} > "$work/$dataset-s$seed.log" 2>&1 & ;;
+  esac
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done
@@ -54,7 +66,8 @@ say "training done"
 
 for run in $RUNS; do
   dataset=${run%%:*} seed=${run##*:}
-  say "$dataset seed $seed: $(grep -E '^(time probe|best validation|trained)' "$work/$dataset-s$seed.log" | tr '\n' ' ')"
+  say "$dataset seed $seed: $(grep -E '^(time probe|best validation|trained|scored|  affnist-style)' "$work/$dataset-s$seed.log" | tr '\n' ' ')"
+  cp "$work/$dataset-s$seed/results.json" "$work/$dataset-s$seed.results.json" 2>/dev/null
   tail -3 "$work/$dataset-s$seed.log" | grep -i -E 'error|Traceback' >> "$OUT/summary.txt"
   cp "$work/$dataset-s$seed/metrics.jsonl" "$work/$dataset-s$seed.metrics.jsonl" 2>/dev/null
 done
@@ -66,7 +79,7 @@ best = {}
 for run in runs:
     dataset, seed = run.split(":")
     path = os.path.join(work, f"{dataset}-s{seed}", "metrics.jsonl")
-    if not os.path.isfile(path):
+    if not os.path.isfile(path) or not os.path.isfile(os.path.join(work, f"{dataset}-s{seed}", "best.pt")):
         continue
     recs = [json.loads(l) for l in open(path) if l.strip()]
     val = [r for r in recs if r.get("event") == "eval" and r["split"] == "val"]

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 import capsnet  # noqa: E402
 import epochs as run_epochs  # noqa: E402
+import affine_cnn  # noqa: E402
 import train as gpu_train  # noqa: E402
 from pytest_lite import run_tests  # noqa: E402
 from test_interop import write_fake_mnist  # noqa: E402
@@ -164,6 +165,40 @@ def test_resave_and_errors():
     assert "truncated" in log, log
 
 
+def test_affine_cnn_scores_as_the_cpp_model():
+    sets = os.path.join(WORK, "sets")
+    cli("affine", "--write-sets", sets, "--data", data_dir(), "--test-limit", "0", "--threads", "1")
+    for pool in (True, False):
+        out = os.path.join(WORK, f"affine-{pool}")
+        saved = os.path.join(WORK, f"affine-{pool}.pt")
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "apps", "gpu", "affine_cnn.py"), "--data", data_dir(),
+                            "--sets", sets, "--out", out, "--small", "--epochs", "2", "--target-accuracy", "0",
+                            "--val", "16", "--batch-size", "8", "--device", "cpu", "--save", saved, "--seed", "4"]
+                           + (["--pool"] if pool else []), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert p.returncode == 0, p.stdout
+        res = json.load(open(os.path.join(out, "results.json")))
+        files = json.load(open(os.path.join(sets, "sets.json")))["files"]
+        assert set(res["sets"]) == set(files) and res["epochs_trained"] == 2, res
+        for name in ("affnist-style", "rotation-45"):
+            got = json.loads(cli("eval", "--checkpoint", saved, "--images", os.path.join(sets, files[name]["images"]),
+                                 "--labels", os.path.join(sets, files[name]["labels"]), "--json", "--no-progress",
+                                 "--threads", "1"))
+            n = files[name]["examples"]
+            assert abs(round(got["accuracy"] * n) - round(res["sets"][name] * n)) <= 1, (pool, name, got, res)
+        # The same network on both sides: the C++ model's logits on its probe images (capsnet export --probe)
+        # equal the Python module's with the file's weights.
+        probe = os.path.join(WORK, f"probe-{pool}.pt")
+        cli("export", "--checkpoint", saved, "--probe", "6", "--out", probe, "--threads", "1")
+        d = torch.load(probe)
+        model = affine_cnn.BaselineCnn(json.loads(d["config"]))
+        model.load_state_dict({k: v.float() for k, v in d["state_dict"].items()})
+        model.eval()
+        with torch.no_grad():
+            logits = model(d["probe"]["images"].float())
+        err = (logits - d["probe"]["logits"].float()).abs().max().item()
+        assert err < 1e-4 * max(1.0, d["probe"]["logits"].abs().max().item()), (pool, err)
+
+
 def main():
     global CLI, OPS, WORK
     if len(sys.argv) != 3:
@@ -177,7 +212,8 @@ def main():
         write_fake_mnist(data_dir(), 56, 24)
         failed = run_tests((test_shift_matches_a_loop, test_learning_rates_equal_the_cpp_tools,
                             test_weight_average_formula, test_run_with_validation_keeps_the_rules_epoch,
-                            test_time_probe_plans_the_epochs, test_resave_and_errors))
+                            test_time_probe_plans_the_epochs, test_resave_and_errors,
+                            test_affine_cnn_scores_as_the_cpp_model))
     return 1 if failed else 0
 
 
