@@ -14,7 +14,6 @@ Times are medians of CUDA-event-timed repeats after warm-up; memory is the peak 
 call above what was allocated before it. One JSON object per line to --out (and stdout) as each result lands.
 """
 import argparse
-import gzip
 import json
 import os
 import statistics
@@ -29,6 +28,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)
 
 from capsnet import model as capsmodel  # noqa: E402
+from capsnet.idx import read_idx  # noqa: E402
 from capsnet import ops as capsops  # noqa: E402
 import peer_capsnet  # noqa: E402
 
@@ -155,18 +155,6 @@ def bench_step(B, compile_ok):
             torch.cuda.empty_cache()
         except Exception as e:
             emit({"bench": "step", "impl": name, "batch": B, "error": repr(e)[:500]})
-
-
-def read_idx(folder, name):
-    for path in (os.path.join(folder, name), os.path.join(folder, name + ".gz")):
-        if os.path.exists(path):
-            opener = gzip.open if path.endswith(".gz") else open
-            with opener(path, "rb") as f:
-                data = f.read()
-            ndim = data[3]
-            dims = [int.from_bytes(data[4 + 4 * k:8 + 4 * k], "big") for k in range(ndim)]
-            return torch.frombuffer(bytearray(data[4 + 4 * ndim:]), dtype=torch.uint8).view(dims)
-    raise FileNotFoundError(f"{name}(.gz) not in {folder}")
 
 
 def bench_epoch(folder, B, seed):

@@ -25,7 +25,6 @@ A file written by a newer PyTorch can be rewritten for Debian's (which `capsnet`
 `/usr/bin/python3 apps/gpu/train.py --resave IN OUT`.
 """
 import argparse
-import gzip
 import json
 import math
 import os
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 from capsnet import model as capsmodel  # noqa: E402
+from capsnet import idx  # noqa: E402
 from capsnet import ops as capsops  # noqa: E402
 
 MAX_SHIFT = 2
@@ -49,21 +49,11 @@ def fail(message):
 
 
 def read_idx(folder, name):
-    """An IDX file of `folder` (plain or .gz) as a uint8 tensor of its shape."""
-    for path in (os.path.join(folder, name), os.path.join(folder, name + ".gz")):
-        if os.path.isfile(path):
-            opener = gzip.open if path.endswith(".gz") else open
-            with opener(path, "rb") as f:
-                data = f.read()
-            if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 8:
-                fail(f"{path}: not an IDX file of unsigned bytes")
-            ndim = data[3]
-            dims = [int.from_bytes(data[4 + 4 * k:8 + 4 * k], "big") for k in range(ndim)]
-            expected = 4 + 4 * ndim + math.prod(dims)
-            if len(data) != expected:
-                fail(f"{path}: {len(data)} bytes, its header says {expected} (truncated?)")
-            return torch.frombuffer(bytearray(data[4 + 4 * ndim:]), dtype=torch.uint8).view(dims)
-    fail(f"{name} (or {name}.gz) not found in {folder}")
+    """capsnet.idx.read_idx, its errors as one line and exit status 2."""
+    try:
+        return idx.read_idx(folder, name)
+    except (OSError, ValueError) as e:
+        fail(str(e))
 
 
 def load_split(folder, prefix):
