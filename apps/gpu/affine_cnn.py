@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train import Metrics, autocast, fail, load_split, read_idx  # noqa: E402
+from train import Metrics, autocast, fail, load_split, read_idx, refuse_previous_run  # noqa: E402
 
 CANVAS, MAX_SHIFT = 40, 6
 
@@ -125,7 +125,9 @@ def main(argv=None):
     ap.add_argument("--save", default=None, help="write the scored model here (capsnet-weights, fp16)")
     ap.add_argument("--train-limit", type=int, default=0, help="first N training digits only (tests)")
     ap.add_argument("--small", action="store_true", help="narrow layers (tests)")
+    ap.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
     args = ap.parse_args(argv)
+    refuse_previous_run(args.out, args.overwrite)
     if args.epochs < 1 or args.val < 1 or not 0 <= args.target_accuracy <= 1 or not 0 < args.lr_decay <= 1:
         ap.error("--epochs >= 1, --val >= 1, --target-accuracy in [0, 1], --lr-decay in (0, 1]")
     precision = args.precision or ("bf16" if args.device.startswith("cuda") else "fp32")

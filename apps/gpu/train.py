@@ -248,6 +248,7 @@ def parse_args(argv):
     ap.add_argument("--train-limit", type=int, default=0, help="use the first N training images only (tests)")
     ap.add_argument("--test-limit", type=int, default=0, help="score the first N test images only (tests)")
     ap.add_argument("--log-every", type=int, default=100, help="steps between 'train' records")
+    ap.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
     ap.add_argument("--resave", nargs=2, metavar=("IN", "OUT"), help="rewrite a weight file with this PyTorch and exit")
     args = ap.parse_args(argv)
     if args.resave:
@@ -265,10 +266,17 @@ def parse_args(argv):
     return args
 
 
+def refuse_previous_run(out, overwrite):
+    """A folder that holds a run (metrics.jsonl) is replaced only with --overwrite, as the C++ tool does."""
+    if os.path.exists(os.path.join(out, "metrics.jsonl")) and not overwrite:
+        fail(f"{out} holds a previous run (metrics.jsonl); pass --overwrite to replace it, or choose another --out")
+
+
 def main(argv=None):
     args = parse_args(argv if argv is not None else sys.argv[1:])
     if args.resave:
         return resave(*args.resave)
+    refuse_previous_run(args.out, args.overwrite)
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():

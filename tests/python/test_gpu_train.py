@@ -150,6 +150,9 @@ def test_resave_and_errors():
     assert "wrote" in log and capsnet.read_weights(dst)["step"] == capsnet.read_weights(src)["step"], log
     log = trainer("--resave", os.path.join(WORK, "data", "t10k-labels-idx1-ubyte"), dst, expect_ok=False)
     assert "not a capsnet weight file" in log, log
+    log = trainer("--data", data_dir(), "--out", os.path.join(WORK, "run"), expect_ok=False)
+    assert "holds a previous run" in log and "--overwrite" in log, log
+    assert capsnet.read_weights(src)["step"] > 0  # untouched
     log = trainer("--data", os.path.join(WORK, "absent"), "--out", os.path.join(WORK, "e"), expect_ok=False)
     assert "not found in" in log, log
     log = trainer("--data", data_dir(), "--out", os.path.join(WORK, "e"), "--val", "1000", expect_ok=False)
