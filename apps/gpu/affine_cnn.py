@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train import Metrics, autocast, fail, load_split, read_idx, refuse_previous_run  # noqa: E402
+from train import Metrics, autocast, fail, load_split, read_idx, refuse_previous_run, save_weights  # noqa: E402
 
 CANVAS, MAX_SHIFT = 40, 6
 
@@ -95,15 +95,6 @@ def accuracy(model, images, labels, device, precision, batch=500):
             correct += (model(x).argmax(1) == labels[k:k + batch].to(device)).sum().item()
     model.train()
     return correct / images.shape[0]
-
-
-def save_weights(path, model, step, card):
-    d = {"format": "capsnet-weights", "version": 1, "model": "baseline-cnn",
-         "config": json.dumps(model.config, sort_keys=True), "step": int(step), "storage": "fp16",
-         "state_dict": {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()},
-         "card": json.dumps(card, sort_keys=True)}
-    torch.save(d, path + ".tmp")
-    os.replace(path + ".tmp", path)
 
 
 def main(argv=None):
@@ -210,7 +201,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1, sort_keys=True)
     if args.save:
-        save_weights(args.save, model, best[2], {k: v for k, v in results.items() if k != "sets"})
+        save_weights(args.save, model, best[2], {k: v for k, v in results.items() if k != "sets"}, kind="baseline-cnn")
     print(f"scored epoch {best[1]} (validation {100 * best[0]:.2f}%); wrote {os.path.join(args.out, 'results.json')}")
     return 0
 

@@ -149,15 +149,20 @@ def evaluate(model, images, labels, device, precision, recon_weight, batch=1000)
     return correct / images.shape[0], loss_sum / images.shape[0]
 
 
-def save_weights(path, model, step, card):
-    """A `capsnet export` weight file (fp16 storage), written atomically."""
-    d = {"format": capsmodel.FORMAT, "version": capsmodel.VERSION, "model": "capsnet",
-         "config": json.dumps(model.config, sort_keys=True), "step": int(step), "storage": "fp16",
-         "state_dict": {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()},
-         "card": json.dumps(card, sort_keys=True)}
-    tmp = path + ".tmp"
-    torch.save(d, tmp)
-    os.replace(tmp, path)
+def atomic_save(obj, path):
+    """torch.save into path + ".tmp", then renamed over path."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def save_weights(path, model, step, card, kind="capsnet"):
+    """A `capsnet export` weight file (fp16 storage) of a module with a `config` dict; kind is its "model"
+    entry ("capsnet", "baseline-cnn")."""
+    atomic_save({"format": capsmodel.FORMAT, "version": capsmodel.VERSION, "model": kind,
+                 "config": json.dumps(model.config, sort_keys=True), "step": int(step), "storage": "fp16",
+                 "state_dict": {k: v.detach().to("cpu", torch.float16).contiguous()
+                                for k, v in model.state_dict().items()},
+                 "card": json.dumps(card, sort_keys=True)}, path)
 
 
 def new_model(device, fused):
@@ -220,9 +225,7 @@ def resave(src, dst):
         fail(f"{src}: not a capsnet weight file (torch.load: {str(e)[:120]})")
     if not isinstance(d, dict) or d.get("format") != capsmodel.FORMAT:
         fail(f"{src}: not a capsnet weight file")
-    tmp = dst + ".tmp"
-    torch.save(d, tmp)
-    os.replace(tmp, dst)
+    atomic_save(d, dst)
     print(f"wrote {dst} (torch {torch.__version__})")
 
 
