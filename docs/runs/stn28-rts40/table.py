@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""ST-CNN (28x28 transformer output, --small), 40 epochs of RTS distorted MNIST (stn28-40-lane.sh), two seeds.
-Reads sN/stn.json beside this file (the test set scored once, at the best-validation checkpoint) and
-sN.metrics.jsonl (validation per epoch); prints per seed the best validation (epoch), the test error there and
-the transformer's statistics, the mean and spread of the test error, and every fifth epoch's validation.
-Usage: table.py"""
-import json, os
-here = os.path.dirname(os.path.abspath(__file__))
+"""Two seeds of a `capsnet stn` lane on RTS distorted MNIST: by default this folder's ST-CNN (28x28 transformer
+output, --small, 40 epochs, stn28-40-lane.sh); any other lane folder laid out the same way (e.g.
+docs/runs/stcaps28-rts24, the ST-CapsNet at 24 epochs). Reads DIR/sN/stn.json (the test set scored once, at the
+best-validation checkpoint), whose curve holds the validation accuracy per epoch; prints per seed the best
+validation (epoch), the test error there and the transformer's statistics, the mean and spread of the test
+error, and every fifth epoch's validation.
+Usage: table.py [DIR]"""
+import json, os, sys
+here = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
 rows, curves = [], {}
 for seed in (1, 2):
     path = os.path.join(here, f"s{seed}", "stn.json")
