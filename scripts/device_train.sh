@@ -14,7 +14,10 @@
 # TRAIN_ARGS_<dataset> (dashes as underscores, e.g. TRAIN_ARGS_fashion_mnist) overrides TRAIN_ARGS for one dataset.
 # RUNS entries affine-cnn-nopool:SEED / affine-cnn:SEED train the affine experiment's unpooled / pooled baseline
 # CNN with apps/gpu/affine_cnn.py instead (data/device/mnist and data/device/affine-sets; its results.json
-# holds every set's accuracy; TRAIN_ARGS_affine_cnn_nopool adds flags).
+# holds every set's accuracy; TRAIN_ARGS_affine_cnn_nopool adds flags). RUNS entries multimnist:SEED train the
+# MultiMNIST CapsNet with apps/gpu/multimnist.py (data/device/mnist; TRAIN_ARGS_multimnist adds flags, e.g.
+# "--steps 400000 --final-lr 0.05 --eval-every 20000"); the first such seed's last model comes back in parts
+# (multimnist-sN-model.partK.pt: join them with `apps/gpu/multimnist.py --join`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/device}
@@ -52,6 +55,10 @@ for run in $RUNS; do
       # shellcheck disable=SC2086
       PYTHONUNBUFFERED=1 $PY apps/gpu/affine_cnn.py --data data/device/mnist --sets data/device/affine-sets \
         --seed "$seed" --out "$dir" "${pool[@]}" ${!own:-} > "$work/$dataset-s$seed.log" 2>&1 & ;;
+    multimnist)  # the MultiMNIST CapsNet (apps/gpu/multimnist.py): the C++ tool's pairs, planned to TRAIN_MINUTES
+      # shellcheck disable=SC2086
+      PYTHONUNBUFFERED=1 $PY apps/gpu/multimnist.py --data data/device/mnist --seed "$seed" --out "$dir" \
+        --ops-library "$lib" --minutes "$TRAIN_MINUTES" ${TRAIN_ARGS_multimnist:-} > "$work/$dataset-s$seed.log" 2>&1 & ;;
     *)
       data=data/device/$dataset
       [ -d "$data" ] || { say "$run: no $data (carry data/device/$dataset)"; continue; }
@@ -96,6 +103,17 @@ for run in runs:
 for dataset, (_, seed) in best.items():
     shutil.copy(os.path.join(work, f"{dataset}-s{seed}", "best.pt"), os.path.join(out, f"{dataset}-best.pt"))
     print(f"{dataset}: ships seed {seed}'s best.pt as {dataset}-best.pt")
+# MultiMNIST has no validation split: the first seed's last model comes back, in its parts (16 MiB each at most).
+for run in runs:
+    dataset, seed = run.split(":")
+    folder = os.path.join(work, f"{dataset}-s{seed}")
+    if dataset != "multimnist" or not os.path.isdir(folder):
+        continue
+    parts = sorted(p for p in os.listdir(folder) if p.startswith("model") and p.endswith(".pt"))
+    for p in parts:
+        shutil.copy(os.path.join(folder, p), os.path.join(out, f"multimnist-s{seed}-{p}"))
+    print(f"multimnist: returns seed {seed}'s last model as {', '.join(f'multimnist-s{seed}-{p}' for p in parts)}")
+    break
 EOF
 tar -C "$work" -czf "$OUT/logs.tar.gz" --exclude='*.pt' --exclude='metrics.jsonl' .
 say "done; $OUT: $(ls "$OUT" | tr '\n' ' ')"

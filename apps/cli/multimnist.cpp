@@ -14,6 +14,7 @@
 #include "capsnet/data/mnist.h"
 #include "capsnet/train/checkpoint.h"
 #include "capsnet/train/distributed.h"
+#include "capsnet/train/export.h"
 #include "capsnet/train/json_input.h"
 #include "apps/experiments/multimnist.h"
 #include "apps/runtime.h"
@@ -57,33 +58,60 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
   const int64_t canvas = 28 + 2 * gen_options.pad;
   if (f->eval_only) {
     const std::string path = f->checkpoint.empty() ? train::checkpoint_path(o.loop.out_dir) : f->checkpoint;
-    auto meta = train::read_checkpoint_meta(path);
-    int64_t channels = 0, size = 0;
-    if (meta.train_options.value("task", std::string()) == "multimnist-cnn") {
-      o.which = experiments::MultiMnistModel::kCnn;
-      cnn = models::BaselineCnn(models::BaselineCnnConfig::from_json(meta.model_config));
-      train::load_checkpoint(path, *cnn, nullptr, [&](const nlohmann::json& saved) { return saved == meta.model_config; });
-      channels = cnn->config.image_channels, size = cnn->config.image_size;
+    // A training checkpoint, or a weight file (capsnet export; apps/gpu/multimnist.py) whose card holds the
+    // checkpoint's training options under "train_options".
+    nlohmann::json train_options = nlohmann::json::object();
+    int64_t step = 0, channels = 0, size = 0;
+    auto weights = train::try_read_weights(path);
+    if (weights) {
+      if (weights->card.is_object() && weights->card.contains("train_options"))
+        train_options = weights->card.at("train_options");
+      if (!train_options.is_object())
+        throw std::invalid_argument(fmt::format("{}: the card's train_options must be an object", path));
+      step = weights->step;
+      if (weights->model == train::kBaselineCnnModel) {
+        o.which = experiments::MultiMnistModel::kCnn;
+        cnn = train::baseline_cnn_from_weights(*weights, path);
+      } else {
+        o.which = experiments::MultiMnistModel::kCapsNet;
+        model = train::model_from_weights(*weights, path);  // refuses an EM network, naming the commands that take it
+      }
     } else {
-      o.which = experiments::MultiMnistModel::kCapsNet;
-      model = train::load_model(path);
-      channels = model->config.image_channels, size = model->config.image_size;
+      const auto meta = train::read_checkpoint_meta(path);
+      train_options = meta.train_options;
+      step = meta.step;
+      if (meta.train_options.value("task", std::string()) == "multimnist-cnn") {
+        o.which = experiments::MultiMnistModel::kCnn;
+        cnn = models::BaselineCnn(models::BaselineCnnConfig::from_json(meta.model_config));
+        train::load_checkpoint(path, *cnn, nullptr,
+                               [&](const nlohmann::json& saved) { return saved == meta.model_config; });
+      } else {
+        o.which = experiments::MultiMnistModel::kCapsNet;
+        model = train::load_model(path);
+      }
     }
+    if (o.which == experiments::MultiMnistModel::kCnn)
+      channels = cnn->config.image_channels, size = cnn->config.image_size;
+    else
+      channels = model->config.image_channels, size = model->config.image_size;
     if (size != canvas || channels != 1)
       throw std::invalid_argument(fmt::format(
           "{}: the model takes {}x{}x{} images, MultiMNIST pairs are 1x{}x{} (train one with capsnet "
           "multimnist)",
           path, channels, size, size, canvas, canvas));
-    const int64_t batch = meta.train_options.value("batch_size", int64_t{0});
+    const int64_t batch = train_options.value("batch_size", int64_t{0});
     summary["mode"] = "eval-only";
     summary["checkpoint"] = path;
-    summary["steps"] = meta.step;
+    summary["steps"] = step;
     summary["batch_size"] = batch;
-    summary["images_seen"] = meta.step * batch;
-    summary["train_seed"] = meta.train_options.value("seed", uint64_t{0});
-    // Test on pairs made like the training pairs unless --overlay asks for the other overlay.
-    if (!f->overlay_given) gen_options.overlay = experiments::saved_overlay(meta.train_options);
-    std::cout << fmt::format("loaded {} (step {}, {} training pairs seen)\n", path, meta.step, meta.step * batch);
+    summary["images_seen"] = step * batch;
+    summary["train_seed"] = train_options.value("seed", uint64_t{0});
+    // Test on pairs made like the training pairs unless --overlay asks for the other overlay. A weight file
+    // without the training options (not exported from a MultiMNIST checkpoint) takes --overlay's value; a
+    // checkpoint without them predates the option and was trained with max (saved_overlay).
+    if (!f->overlay_given && (!weights || train_options.contains("train_generator")))
+      gen_options.overlay = experiments::saved_overlay(train_options);
+    std::cout << fmt::format("loaded {} (step {}, {} training pairs seen)\n", path, step, step * batch);
   }
   const bool is_cnn = o.which == experiments::MultiMnistModel::kCnn;
   // The test pairs through whichever model this run has.
@@ -206,7 +234,7 @@ Subcommand add_multimnist(CLI::App& root) {
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
   app->add_flag("--eval-only", f->eval_only, "Evaluate --checkpoint instead of training");
-  app->add_option("--checkpoint", f->checkpoint, "Checkpoint for --eval-only (default: OUT/checkpoint.pt)");
+  app->add_option("--checkpoint", f->checkpoint, "Checkpoint, or weight file from capsnet export or apps/gpu/multimnist.py, for --eval-only (default: OUT/checkpoint.pt)");
   app->add_option("--figure-correct", f->figure_correct, "Correctly classified test pairs in the figure")
       ->check(CLI::Range(0, 100))
       ->capture_default_str();

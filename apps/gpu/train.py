@@ -44,7 +44,7 @@ MAX_SHIFT = 2
 
 
 def fail(message):
-    print(f"train.py: {message}", file=sys.stderr)
+    print(f"{os.path.basename(sys.argv[0]) or 'train.py'}: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -269,6 +269,30 @@ def parse_args(argv):
     return args
 
 
+def prepare_device(args):
+    """The torch.device of --device (a GPU checked to exist); loads the ops library unless --reference-routing."""
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            fail("--device cuda but this PyTorch sees no GPU")
+        torch.backends.cudnn.benchmark = True
+    if not args.reference_routing:
+        try:
+            capsops.load_library(args.ops_library)
+        except Exception as e:  # noqa: BLE001 - any failure to load is reported the same way
+            fail(f"cannot load the ops library ({e}); build it (docs/gpu.md) or pass --reference-routing")
+    return device
+
+
+def load_mnist(folder):
+    """(train images, train labels, test images, test labels): uint8 [N, 28, 28] and int64 [N]."""
+    train_x, train_y = load_split(folder, "train")
+    test_x, test_y = load_split(folder, "t10k")
+    if train_x.shape[1:] != (28, 28) or test_x.shape[1:] != (28, 28):
+        fail(f"{folder}: expected 28x28 images, got {list(train_x.shape[1:])}")
+    return train_x, train_y, test_x, test_y
+
+
 def refuse_previous_run(out, overwrite):
     """A folder that holds a run (metrics.jsonl) is replaced only with --overwrite, as the C++ tool does."""
     if os.path.exists(os.path.join(out, "metrics.jsonl")) and not overwrite:
@@ -280,21 +304,8 @@ def main(argv=None):
     if args.resave:
         return resave(*args.resave)
     refuse_previous_run(args.out, args.overwrite)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            fail("--device cuda but this PyTorch sees no GPU")
-        torch.backends.cudnn.benchmark = True
-    if not args.reference_routing:
-        try:
-            capsops.load_library(args.ops_library)
-        except Exception as e:  # noqa: BLE001 - any failure to load is reported the same way
-            fail(f"cannot load the ops library ({e}); build it (docs/gpu.md) or pass --reference-routing")
-
-    train_x, train_y = load_split(args.data, "train")
-    test_x, test_y = load_split(args.data, "t10k")
-    if train_x.shape[1:] != (28, 28) or test_x.shape[1:] != (28, 28):
-        fail(f"{args.data}: expected 28x28 images, got {list(train_x.shape[1:])}")
+    device = prepare_device(args)
+    train_x, train_y, test_x, test_y = load_mnist(args.data)
     if args.train_limit:
         train_x, train_y = train_x[:args.train_limit], train_y[:args.train_limit]
     if args.test_limit:

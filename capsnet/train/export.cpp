@@ -279,6 +279,15 @@ ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::s
       with_inputs.card.emplace("test_fraction", spec.test_fraction);
       with_inputs.card.emplace("split_seed", spec.split_seed);
     }
+    // A MultiMNIST checkpoint's options (batch size, seed, the pairs' generator and overlay): what
+    // `capsnet multimnist --eval-only` reads from a checkpoint, so that it reads the weight file alike.
+    // A weight file re-exported keeps them.
+    if (weights_in) {
+      if (weights_in->card.is_object() && weights_in->card.contains("train_options"))
+        with_inputs.card.emplace("train_options", weights_in->card.at("train_options"));
+    } else if (meta.train_options.value("task", std::string()).rfind("multimnist", 0) == 0) {
+      with_inputs.card.emplace("train_options", meta.train_options);
+    }
   }
   ExportSummary s;
   s.step = step;

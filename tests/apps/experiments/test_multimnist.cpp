@@ -666,5 +666,68 @@ TEST(MultiMnistCliTest, TrainThenEvalOnlyOnGeneratedIdxFiles) {
   EXPECT_TRUE(testing::FailsSaying(cnn_run("--eval-only --model cnn"), "--model is not read with --eval-only"));
 }
 
+TEST(MultiMnistCliTest, EvalOnlyReadsExportedWeightFiles) {
+  const testing::CliFolder run("run");
+  testing::write_fake_mnist(run.data, 60, 30);
+  const auto multimnist = [&](const std::string& out, const std::string& args) {
+    return run.run_to(out, "multimnist", "--test-size 20 --figure-correct 0 --figure-wrong 0 " + args);
+  };
+  const auto summary = [](const std::string& out) {
+    std::ifstream in(out + "/multimnist.json");
+    return nlohmann::json::parse(in);
+  };
+  // A CapsNet trained on max-overlay pairs, exported (fp32): --eval-only on the weight file takes the
+  // overlay, steps and batch size from the card and scores exactly what the checkpoint scores.
+  const std::string out = run.out, weights = run.dir / "caps.pt";
+  ASSERT_EQ(multimnist(out, "--conv1-channels 4 --primary-types 2 --steps 3 --batch-size 4 --overlay max").status, 0);
+  auto exported = testing::run_cli("export --checkpoint " + out + "/checkpoint.pt --out " + weights);
+  ASSERT_EQ(exported.status, 0) << exported.output;
+  const std::string from_weights = run.dir / "eval-weights";
+  auto evaluated = multimnist(from_weights, "--eval-only --checkpoint " + weights);
+  ASSERT_EQ(evaluated.status, 0) << evaluated.output;
+  auto w = summary(from_weights);
+  EXPECT_EQ(w.at("mode"), "eval-only");
+  EXPECT_EQ(w.at("overlay"), "max");  // from the card's train_options, not --overlay's default (add)
+  EXPECT_EQ(w.at("steps"), 3);
+  EXPECT_EQ(w.at("images_seen"), 12);
+  EXPECT_EQ(w.at("model_kind"), "capsnet");
+  const std::string from_ckpt = run.dir / "eval-ckpt";
+  ASSERT_EQ(multimnist(from_ckpt, "--eval-only --checkpoint " + out + "/checkpoint.pt").status, 0);
+  auto c = summary(from_ckpt);
+  EXPECT_EQ(c.at("overlay"), "max");
+  EXPECT_DOUBLE_EQ(w.at("error").get<double>(), c.at("error").get<double>());
+  EXPECT_DOUBLE_EQ(w.at("test_loss").get<double>(), c.at("test_loss").get<double>());
+  EXPECT_DOUBLE_EQ(w.at("overlap").at("mean_iou").get<double>(), c.at("overlap").at("mean_iou").get<double>());
+  // --overlay still overrides the card.
+  ASSERT_EQ(multimnist(from_weights, "--eval-only --overlay add --checkpoint " + weights).status, 0);
+  EXPECT_EQ(summary(from_weights).at("overlay"), "add");
+  // Re-exporting the weight file keeps the training options.
+  const std::string again = run.dir / "again.pt";
+  ASSERT_EQ(testing::run_cli("export --checkpoint " + weights + " --out " + again).status, 0);
+  ASSERT_EQ(multimnist(from_weights, "--eval-only --checkpoint " + again).status, 0);
+  EXPECT_EQ(summary(from_weights).at("overlay"), "max");
+
+  // The baseline CNN's weight file is recognised as the CNN.
+  const std::string cnn_out = run.dir / "cnn", cnn_weights = run.dir / "cnn.pt";
+  ASSERT_EQ(multimnist(cnn_out, "--model cnn --steps 2 --batch-size 4").status, 0);
+  ASSERT_EQ(testing::run_cli("export --checkpoint " + cnn_out + "/checkpoint.pt --out " + cnn_weights).status, 0);
+  const std::string cnn_eval = run.dir / "cnn-eval";
+  ASSERT_EQ(multimnist(cnn_eval, "--eval-only --checkpoint " + cnn_weights).status, 0);
+  auto ce = summary(cnn_eval);
+  EXPECT_EQ(ce.at("model_kind"), "cnn");
+  EXPECT_EQ(ce.at("overlay"), "add");
+  EXPECT_DOUBLE_EQ(ce.at("error").get<double>(), summary(cnn_out).at("error").get<double>());
+
+  // A weight file of a 28x28 MNIST CapsNet: one line saying the sizes.
+  const std::string mnist_out = run.dir / "mnist", mnist_weights = run.dir / "mnist.pt";
+  ASSERT_EQ(run.run_to(mnist_out, "train", "--epochs 1 --train-limit 8 --test-limit 8 --batch-size 4 "
+                                           "--conv1-channels 4 --primary-types 2")
+                .status,
+            0);
+  ASSERT_EQ(testing::run_cli("export --checkpoint " + mnist_out + "/checkpoint.pt --out " + mnist_weights).status, 0);
+  EXPECT_TRUE(testing::FailsSaying(multimnist(run.dir / "bad", "--eval-only --checkpoint " + mnist_weights),
+                                   "the model takes 1x28x28 images, MultiMNIST pairs are 1x36x36"));
+}
+
 }  // namespace
 }  // namespace capsnet
