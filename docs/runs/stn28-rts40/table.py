@@ -16,8 +16,10 @@ for seed in (1, 2):
     r = json.load(open(path))["results"][0]
     val = {round(c["epoch"]): c["accuracy"] for c in r["curve"] if c.get("split") == "val"}
     best_epoch = max(val, key=lambda e: (val[e], -e))  # stn keeps the first epoch of the best accuracy
-    rows.append((seed, r["best_val_accuracy"], best_epoch, r["test_error"], r["theta"]["mean_abs_theta_minus_identity"],
-                 r["theta"]["mean_linear_determinant"], r["train_seconds"]))
+    theta = r.get("theta", {})  # a model without a transformer has none
+    rows.append((seed, r["best_val_accuracy"], best_epoch, r["test_error"],
+                 theta.get("mean_abs_theta_minus_identity", float("nan")),
+                 theta.get("mean_linear_determinant", float("nan")), r["train_seconds"]))
     curves[seed] = val
 print("| seed | best validation (epoch) | test error there | mean abs(theta - I) | mean det theta | training s |")
 print("|---:|---:|---:|---:|---:|---:|")
