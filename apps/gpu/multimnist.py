@@ -29,7 +29,6 @@ together (under Debian's PyTorch this also rewrites them for it).
 On a CPU (no --device cuda) it runs in fp32 and slowly: the tests use it on a few pairs.
 """
 import argparse
-import json
 import math
 import os
 import sys
@@ -41,7 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train import (Metrics, atomic_save, autocast, capsmodel, fail, load_mnist,  # noqa: E402
-                   make_optimizer, prepare_device, refuse_previous_run, shifted)
+                   make_optimizer, prepare_device, refuse_previous_run, seconds_per_call, shifted, weights_dict)
 
 PAD = MAX_SHIFT = 4  # 28x28 digits padded to 36x36, each shifted by up to 4 px (MultiMnistOptions)
 DECAY_PAIRS = 60000.0  # the C++ tool's lr decays per 60,000 pairs (kDecayImages)
@@ -178,7 +177,7 @@ def both_found(lengths, labels):
 
 
 @torch.no_grad()
-def evaluate(model, pairs, count, device, precision, scale, batch=500):
+def evaluate(model, pairs, count, device, precision, batch=500):
     """The C++ evaluate_multimnist: accuracy (both found), digit accuracy, mean loss, mean box overlaps."""
     model.eval()
     t0 = time.perf_counter()
@@ -190,7 +189,7 @@ def evaluate(model, pairs, count, device, precision, scale, batch=500):
         with autocast(device, precision):
             lengths, recs = forward_pair(model, x, y)
         lengths = lengths.float()
-        loss_sum += pair_loss(lengths, recs, y, d, model.config["reconstruction_scale"] if scale is None else scale)[0].item() * n
+        loss_sum += pair_loss(lengths, recs, y, d, model.config["reconstruction_scale"])[0].item() * n
         correct += both_found(lengths, y).sum().item()
         top = lengths.topk(2, 1).indices
         found += (top.unsqueeze(1) == y.unsqueeze(2)).any(2).sum().item()
@@ -209,10 +208,8 @@ def evaluate(model, pairs, count, device, precision, scale, batch=500):
 def save_parts(path, model, step, card, part_mib):
     """`capsnet export`'s weight file (fp16) at path, or, when larger than part_mib MiB, parts
     path.part0.pt, ... each holding some tensors and everything else; returns the paths written."""
-    state = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()}
-    base = {"format": capsmodel.FORMAT, "version": capsmodel.VERSION, "model": "capsnet",
-            "config": json.dumps(model.config, sort_keys=True), "step": int(step), "storage": "fp16",
-            "card": json.dumps(card, sort_keys=True)}
+    base = weights_dict(model, step, card)
+    state = base.pop("state_dict")
     limit = part_mib * 2 ** 20 if part_mib > 0 else float("inf")
     groups, sizes = [], []  # first fit, largest tensor first: few parts, none above the limit but a lone tensor
     for k in sorted(state, key=lambda k: -state[k].numel()):
@@ -285,23 +282,9 @@ def time_probe(args, device, pairs):
         pair_loss(lengths, recs, y, d, scale)[0].backward()
         opt.step()
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    for k in range(3):
-        step(k)
-    sync()
-    n, t0 = 10, time.perf_counter()
-    for k in range(n):
-        step(k)
-    sync()
-    step_s = (time.perf_counter() - t0) / n
+    step_s = seconds_per_call(step, device, 3, 10)
     probe = min(args.test_size, 1000)
-    t0 = time.perf_counter()
-    evaluate(m, pairs, probe, device, args.precision, None)
-    sync()
-    eval_s = (time.perf_counter() - t0) / probe
+    eval_s = seconds_per_call(lambda _: evaluate(m, pairs, probe, device, args.precision), device, 0, 1) / probe
     del m, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -404,7 +387,7 @@ def main(argv=None):
           f"{args.precision}", flush=True)
 
     def test(step, t_train):
-        r = evaluate(model, test_pairs, args.test_size, device, args.precision, scale)
+        r = evaluate(model, test_pairs, args.test_size, device, args.precision)
         metrics.write(dict(r, event="eval", split="test", step=step, epoch=step * args.batch_size / DECAY_PAIRS,
                            images_seen=step * args.batch_size, train_seconds=t_train))
         print(f"step {step} ({step * args.batch_size} pairs): test error {100 * r['error']:.2f}% "

@@ -155,14 +155,34 @@ def atomic_save(obj, path):
     os.replace(path + ".tmp", path)
 
 
+def weights_dict(model, step, card, kind="capsnet"):
+    """The dict of a `capsnet export` weight file (fp16 storage) of a module with a `config` dict; kind is its
+    "model" entry ("capsnet", "baseline-cnn")."""
+    return {"format": capsmodel.FORMAT, "version": capsmodel.VERSION, "model": kind,
+            "config": json.dumps(model.config, sort_keys=True), "step": int(step), "storage": "fp16",
+            "state_dict": {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()},
+            "card": json.dumps(card, sort_keys=True)}
+
+
 def save_weights(path, model, step, card, kind="capsnet"):
-    """A `capsnet export` weight file (fp16 storage) of a module with a `config` dict; kind is its "model"
-    entry ("capsnet", "baseline-cnn")."""
-    atomic_save({"format": capsmodel.FORMAT, "version": capsmodel.VERSION, "model": kind,
-                 "config": json.dumps(model.config, sort_keys=True), "step": int(step), "storage": "fp16",
-                 "state_dict": {k: v.detach().to("cpu", torch.float16).contiguous()
-                                for k, v in model.state_dict().items()},
-                 "card": json.dumps(card, sort_keys=True)}, path)
+    """weights_dict written atomically to path."""
+    atomic_save(weights_dict(model, step, card, kind), path)
+
+
+def seconds_per_call(fn, device, warmup, calls):
+    """Mean seconds of fn(k) over k = warmup .. warmup + calls - 1, after fn(0 .. warmup - 1); the GPU synchronised."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for k in range(warmup):
+        fn(k)
+    sync()
+    t0 = time.perf_counter()
+    for k in range(warmup, warmup + calls):
+        fn(k)
+    sync()
+    return (time.perf_counter() - t0) / calls
 
 
 def new_model(device, fused):
@@ -185,32 +205,18 @@ def time_probe(args, device, steps_per_epoch, eval_images):
     x = torch.rand(args.batch_size, 1, 28, 28, device=device)
     y = torch.randint(0, 10, (args.batch_size,), device=device)
 
-    def step():
+    def step(_):
         opt.zero_grad(set_to_none=True)
         with autocast(device, args.precision):
             out = m(x, y)
         losses(out, x, y, args.recon_weight)[0].backward()
         opt.step()
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    for _ in range(5):
-        step()
-    sync()
-    t0 = time.perf_counter()
-    n = 20
-    for _ in range(n):
-        step()
-    sync()
-    step_s = (time.perf_counter() - t0) / n
+    step_s = seconds_per_call(step, device, 5, 20)
     xe = torch.randint(0, 256, (min(eval_images, 2000), 28, 28), dtype=torch.uint8)
     ye = torch.randint(0, 10, (xe.shape[0],))
-    t0 = time.perf_counter()
-    evaluate(m, xe, ye, device, args.precision, args.recon_weight)
-    sync()
-    eval_s = (time.perf_counter() - t0) / xe.shape[0]
+    eval_s = seconds_per_call(lambda _: evaluate(m, xe, ye, device, args.precision, args.recon_weight), device, 0,
+                              1) / xe.shape[0]
     del m, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -90,7 +90,7 @@ def test_run_is_scored_alike_by_the_cpp_tool():
     # The same weights (as stored: fp16) and the same pairs in Python.
     model = capsnet.load(joined, ops_library=OPS).float()
     pairs = mm.Pairs(*gpu_train.load_split(data_dir(), "t10k"), 1001, "max")
-    py = mm.evaluate(model, pairs, 20, torch.device("cpu"), "fp32", None)
+    py = mm.evaluate(model, pairs, 20, torch.device("cpu"), "fp32")
     for key in ("mean_iou", "mean_over_smaller"):  # the generator: every pair's boxes
         want = py["overlap_iou" if key == "mean_iou" else "overlap_over_smaller"]
         assert abs(c["overlap"][key] - want) < 1e-12, (key, c["overlap"], py)
