@@ -99,6 +99,11 @@ void add_train_flags(CLI::App& app, TrainFlags& f) {
       ->check(CLI::Range(0.0, 1e6))
       ->excludes(no_reconstruction)
       ->capture_default_str();
+  app.add_option("--init", f.o.model.init,
+                 "Initialisation: torch (LibTorch's defaults, DigitCaps W ~ N(0, 0.01^2)) or authors (the authors' "
+                 "code: truncated normals, biases 0.1, PrimaryCaps divided by its 32 types; docs/results.md)")
+      ->check(CLI::IsMember({"torch", "authors"}))
+      ->capture_default_str();
   app.add_flag("--stn", f.o.model.stn, "Spatial transformer in front of the CapsNet (identity at init)");
   app.add_option("--max-shift", f.o.max_shift, "Random shift augmentation, pixels")
       ->check(CLI::Range(0, 27))

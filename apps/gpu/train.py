@@ -185,8 +185,8 @@ def seconds_per_call(fn, device, warmup, calls):
     return (time.perf_counter() - t0) / calls
 
 
-def new_model(device, fused):
-    return capsmodel.CapsNet(dict(capsmodel.DEFAULT_CONFIG), fused=fused).to(device)
+def new_model(device, fused, init="torch"):
+    return capsmodel.CapsNet(dict(capsmodel.DEFAULT_CONFIG, init=init), fused=fused).to(device)
 
 
 def make_optimizer(model, lr, device):
@@ -249,6 +249,8 @@ def parse_args(argv):
     ap.add_argument("--val", type=int, default=5000, help="hold out the last N training images (0 = none)")
     ap.add_argument("--ema-decay", type=float, default=0.0, help="weights' moving average as the model (0 = off)")
     ap.add_argument("--recon-weight", type=float, default=0.0005)
+    ap.add_argument("--init", choices=capsmodel.INITS, default="torch",
+                    help="initialisation as `capsnet train --init` (authors: the authors' code's)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
@@ -338,7 +340,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    model = new_model(device, not args.reference_routing)
+    model = new_model(device, not args.reference_routing, args.init)
     opt = make_optimizer(model, args.lr, device)
     average = WeightAverage(model.parameters(), args.ema_decay) if args.ema_decay > 0 else None
     gx, gy = train_x.to(device), train_y.to(device)

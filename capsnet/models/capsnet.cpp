@@ -20,6 +20,8 @@ int64_t CapsNetConfig::primary_grid() const { return (conv1_grid() - primary_ker
 
 int64_t CapsNetConfig::num_primary_caps() const { return primary_types * primary_grid() * primary_grid(); }
 
+double CapsNetConfig::primary_scale() const { return init == "authors" ? 1.0 / double(primary_types) : 1.0; }
+
 void CapsNetConfig::validate() const {
   auto positive = [](const char* name, int64_t value) {
     if (value <= 0) throw std::invalid_argument(fmt::format("model config: {} must be positive, got {}", name, value));
@@ -37,6 +39,8 @@ void CapsNetConfig::validate() const {
   positive("routing_iterations", routing_iterations);
   if (num_classes < 2) throw std::invalid_argument("model config: num_classes must be at least 2");
   transformer_front::validate("model config", stn, stn_size);
+  if (init != "torch" && init != "authors")
+    throw std::invalid_argument(fmt::format("model config: init must be \"torch\" or \"authors\", got \"{}\"", init));
   if (conv1_grid() < primary_kernel)
     throw std::invalid_argument(
         fmt::format("model config: {} {} is too small for conv1_kernel {} followed by primary_kernel {}",
@@ -82,7 +86,8 @@ void CapsNetImpl::reset() {
       "primary_caps", nn::PrimaryCaps(nn::PrimaryCapsOptions(config.conv1_channels, config.primary_types,
                                                              config.primary_dim)
                                           .kernel_size(config.primary_kernel)
-                                          .stride(config.primary_stride)));
+                                          .stride(config.primary_stride)
+                                          .output_scale(config.primary_scale())));
   digit_caps = register_module(
       "digit_caps", nn::CapsuleLinear(nn::CapsuleLinearOptions(config.num_primary_caps(), config.primary_dim,
                                                                config.num_classes, config.digit_dim)
@@ -95,6 +100,32 @@ void CapsNetImpl::reset() {
   if (config.stn)
     stn = register_module("stn",
                           transformer_front::make(config.image_channels, config.image_size, config.network_size()));
+  if (config.init == "authors") init_as_authors();
+}
+
+namespace {
+// TensorFlow's truncated_normal_initializer(stddev): N(0, std^2) redrawn outside two standard deviations.
+void truncated_normal_(torch::Tensor& w, double std) {
+  auto z = torch::randn(w.sizes(), w.options());
+  for (auto out = z.abs() > 2.0; out.any().item<bool>(); out = z.abs() > 2.0)
+    z.masked_scatter_(out, torch::randn({out.sum().item<int64_t>()}, w.options()));
+  w.copy_(z * std);
+}
+}  // namespace
+
+void CapsNetImpl::init_as_authors() {
+  torch::NoGradGuard no_grad;
+  truncated_normal_(conv1->weight, 0.05);
+  conv1->bias.fill_(0.1);
+  truncated_normal_(primary_caps->conv->weight, 0.1);
+  // s = scale * (W * x + b_conv): the authors' bias (0.1, added after the division) is scale * b_conv.
+  primary_caps->conv->bias.fill_(0.1 / config.primary_scale());
+  truncated_normal_(digit_caps->weight, 0.1);  // the authors' DigitCaps also has a bias per atom: not here
+  if (decoder)
+    for (auto* fc : {&decoder->fc1, &decoder->fc2, &decoder->fc3}) {
+      truncated_normal_((*fc)->weight, 0.1);
+      (*fc)->bias.fill_(0.1);
+    }
 }
 
 CapsNetOutput CapsNetImpl::forward(const torch::Tensor& images, const std::optional<torch::Tensor>& labels) {

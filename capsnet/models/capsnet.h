@@ -34,6 +34,11 @@ struct CapsNetConfig {
   double reconstruction_scale = 0.0005;
   bool stn = false;  // a SpatialTransformer warps the input first (Jaderberg et al. 2015); absent in old configs
   int64_t stn_size = 0;  // with stn: side of the transformer's output, which Conv1 sees (0 = image_size)
+  /// "torch": LibTorch's default initialisation, DigitCaps W ~ N(0, 0.01^2). "authors": the authors' public code
+  /// (research/capsules): truncated normals (Conv1 sigma 0.05; PrimaryCaps, DigitCaps W and decoder 0.1), biases
+  /// 0.1, and PrimaryCaps' convolution divided by primary_types (its one routing iteration over the types). The
+  /// division is part of the network (primary_scale()), so the field stays in the config after training.
+  std::string init = "torch";
 
   /// Side of the image Conv1 sees: stn_size with a spatial transformer that resamples, else image_size.
   int64_t network_size() const;
@@ -43,6 +48,8 @@ struct CapsNetConfig {
   int64_t primary_grid() const;
   /// Number of primary capsules I (1152 for the paper's model).
   int64_t num_primary_caps() const;
+  /// PrimaryCaps' output scale: 1 / primary_types with init "authors", else 1.
+  double primary_scale() const;
   /// Throws std::invalid_argument naming the bad field (e.g. an image too small for the kernels).
   void validate() const;
   /// The field list (config_io.h): JSON in both directions is built from it.
@@ -64,6 +71,7 @@ struct CapsNetConfig {
     f("reconstruction_scale", c.reconstruction_scale);
     f("stn", c.stn);
     f("stn_size", c.stn_size);
+    f("init", c.init);
   }
   nlohmann::json to_json() const;
   /// Missing keys keep their defaults; unknown keys and wrong types throw std::invalid_argument.
@@ -97,6 +105,9 @@ class CapsNetImpl : public torch::nn::Cloneable<CapsNetImpl> {
   Precision precision() const { return precision_; }
   /// margin loss + reconstruction_scale * SSE (paper Sec. 4.1).
   CapsNetLoss loss(const CapsNetOutput& out, const torch::Tensor& images, const torch::Tensor& labels) const;
+
+  /// Re-initialises the weights as config.init "authors" describes (reset() calls it for that init).
+  void init_as_authors();
 
   CapsNetConfig config;
   torch::nn::Conv2d conv1{nullptr};

@@ -13,10 +13,13 @@ struct PrimaryCapsOptions {
   TORCH_ARG(int64_t, capsule_dim);    // 8
   TORCH_ARG(int64_t, kernel_size) = 9;
   TORCH_ARG(int64_t, stride) = 2;
+  /// s = output_scale * (W * x + b), then squash. 1 in the paper's text; the authors' code computes the layer as
+  /// one routing iteration over the capsule types, which divides the convolution by their number (1/32).
+  TORCH_ARG(double, output_scale) = 1.0;
 };
 
 /// PrimaryCaps: one convolution with capsule_types * capsule_dim channels, regrouped into
-/// capsule_dim-vectors (atoms last, *then* flattened) and squashed.
+/// capsule_dim-vectors (atoms last, *then* flattened), scaled by output_scale and squashed.
 /// x: [B, in_channels, H, W] (dense, or blocked from a previous blocked convolution) -> u: [B, capsule_types * H' * W', capsule_dim], order (type, y, x).
 class PrimaryCapsImpl : public torch::nn::Cloneable<PrimaryCapsImpl> {
  public:

@@ -21,8 +21,9 @@ DEFAULT_CONFIG = {
     "image_channels": 1, "image_size": 28, "conv1_channels": 256, "conv1_kernel": 9,
     "primary_types": 32, "primary_dim": 8, "primary_kernel": 9, "primary_stride": 2,
     "num_classes": 10, "digit_dim": 16, "routing_iterations": 3, "grad_through_routing": True,
-    "reconstruction": True, "reconstruction_scale": 0.0005,
+    "reconstruction": True, "reconstruction_scale": 0.0005, "init": "torch",
 }
+INITS = ("torch", "authors")
 
 
 def check_config(config):
@@ -37,19 +38,27 @@ def check_config(config):
                 continue  # a feature this module lacks, switched off: same network
             raise ValueError(f"model config: '{key}' = {value!r} is not supported by the Python CapsNet")
         default = DEFAULT_CONFIG[key]
-        ok = isinstance(value, bool) if isinstance(default, bool) else (
+        if key == "init" and isinstance(value, str) and value not in INITS:
+            raise ValueError(f"model config: init must be one of {', '.join(INITS)}, got {value!r}")
+        ok = isinstance(value, str) and value in INITS if isinstance(default, str) else \
+            isinstance(value, bool) if isinstance(default, bool) else (
             isinstance(value, (int, float)) and not isinstance(value, bool) if isinstance(default, float) else
             isinstance(value, int) and not isinstance(value, bool))
         if not ok:
             raise ValueError(f"model config: wrong type for '{key}': {value!r}")
         c[key] = value
     for key, value in c.items():
-        if key not in ("grad_through_routing", "reconstruction", "reconstruction_scale") and value <= 0:
+        if key not in ("grad_through_routing", "reconstruction", "reconstruction_scale", "init") and value <= 0:
             raise ValueError(f"model config: {key} must be positive, got {value}")
     if c["image_size"] - c["conv1_kernel"] + 1 < c["primary_kernel"]:
         raise ValueError(f"model config: image_size {c['image_size']} is too small for conv1_kernel "
                          f"{c['conv1_kernel']} followed by primary_kernel {c['primary_kernel']}")
     return c
+
+
+def primary_scale(c):
+    """PrimaryCaps' output scale: 1 / primary_types with init "authors" (their one routing iteration), else 1."""
+    return 1.0 / c["primary_types"] if c["init"] == "authors" else 1.0
 
 
 def primary_grid(c):
@@ -59,13 +68,15 @@ def primary_grid(c):
 class PrimaryCaps(nn.Module):
     """x: [B, Cin, H, W] -> u: [B, types * H' * W', dim], capsule order (type, y, x), squashed."""
 
-    def __init__(self, in_channels, types, dim, kernel, stride):
+    def __init__(self, in_channels, types, dim, kernel, stride, scale=1.0):
         super().__init__()
-        self.types, self.dim = types, dim
+        self.types, self.dim, self.scale = types, dim, scale
         self.conv = nn.Conv2d(in_channels, types * dim, kernel, stride=stride)
 
     def forward(self, x):
         y = self.conv(x)  # [B, types * dim, H', W']; channel = type * dim + atom
+        if self.scale != 1.0:
+            y = y * self.scale
         B, _, H, W = y.shape
         # Atoms last *before* flattening; a plain view would mix neighbouring positions.
         u = y.view(B, self.types, self.dim, H, W).permute(0, 1, 3, 4, 2).reshape(B, self.types * H * W, self.dim)
@@ -131,12 +142,30 @@ class CapsNet(nn.Module):
         self.config = c
         self.conv1 = nn.Conv2d(c["image_channels"], c["conv1_channels"], c["conv1_kernel"])
         self.primary_caps = PrimaryCaps(c["conv1_channels"], c["primary_types"], c["primary_dim"],
-                                        c["primary_kernel"], c["primary_stride"])
+                                        c["primary_kernel"], c["primary_stride"], primary_scale(c))
         in_caps = c["primary_types"] * primary_grid(c) ** 2
         self.digit_caps = CapsuleLinear(in_caps, c["primary_dim"], c["num_classes"], c["digit_dim"],
                                         c["routing_iterations"], c["grad_through_routing"], fused)
         pixels = c["image_channels"] * c["image_size"] ** 2
         self.decoder = Decoder(c["num_classes"] * c["digit_dim"], pixels) if c["reconstruction"] else None
+        if c["init"] == "authors":
+            self.init_as_authors()
+
+    @torch.no_grad()
+    def init_as_authors(self):
+        """The C++ init "authors": truncated normals (Conv1 sigma 0.05, the rest 0.1), biases 0.1 (PrimaryCaps'
+        after its division). Same distributions as the C++ model, not the same draws."""
+        def truncated(w, std):
+            nn.init.trunc_normal_(w, std=std, a=-2 * std, b=2 * std)
+        truncated(self.conv1.weight, 0.05)
+        self.conv1.bias.fill_(0.1)
+        truncated(self.primary_caps.conv.weight, 0.1)
+        self.primary_caps.conv.bias.fill_(0.1 / self.primary_caps.scale)
+        truncated(self.digit_caps.weight, 0.1)
+        if self.decoder is not None:
+            for fc in (self.decoder.fc1, self.decoder.fc2, self.decoder.fc3):
+                truncated(fc.weight, 0.1)
+                fc.bias.fill_(0.1)
 
     def forward(self, images, labels=None):
         c = self.config

@@ -131,6 +131,37 @@ def test_shipped_model():
     assert torch.equal(out.lengths.argmax(1), d["probe"]["lengths"].argmax(1))
 
 
+def test_authors_init():
+    """`--init authors`: the PrimaryCaps division travels with the config, so Python reproduces the C++ probe;
+    Python's own authors init draws the same distributions; a bad init is refused."""
+    run("train", "--data", os.path.join(WORK, "data"), "--steps", "1", "--batch-size", "4", "--no-eval",
+        "--no-progress", "--out", os.path.join(WORK, "run-authors"), "--threads", "1", "--seed", "3",
+        "--init", "authors")
+    path = os.path.join(WORK, "authors.pt")
+    run("export", "--checkpoint", os.path.join(WORK, "run-authors", "checkpoint.pt"), "--out", path,
+        "--probe", "3", "--probe-seed", "9", "--threads", "1")
+    d = capsnet.read_weights(path)
+    assert json.loads(d["config"])["init"] == "authors", d["config"]
+    model = capsnet.load(path, ops_library=OPS)
+    with torch.no_grad():
+        out = model(d["probe"]["images"])
+        close(out.lengths, d["probe"]["lengths"], 1e-5, "authors-init lengths")
+        model.primary_caps.scale = 1.0  # without the division the capsules differ: the test sees it
+        assert (model(d["probe"]["images"]).lengths - d["probe"]["lengths"]).abs().max() > 1e-2
+    # After one Adam step of 1e-3 the weights are still close to their init: PrimaryCaps' bias near 3.2 = 0.1 * 32.
+    b = d["state_dict"]["primary_caps.conv.bias"].float()
+    assert (b - 3.2).abs().max() < 0.01, b
+    torch.manual_seed(0)
+    m = capsnet.CapsNet({"init": "authors"})
+    w = m.digit_caps.weight
+    assert w.abs().max() <= 0.2 and abs(w.std().item() - 0.08796) < 0.001, w.std()
+    assert m.conv1.weight.abs().max() <= 0.1 and torch.all(m.decoder.fc3.bias == 0.1)
+    assert torch.allclose(m.primary_caps.conv.bias * m.primary_caps.scale, torch.tensor(0.1))
+    expect_error(lambda: capsnet.CapsNet({"init": "xavier"}), "init must be one of torch, authors", ValueError)
+    out = run("train", "--data", os.path.join(WORK, "data"), "--init", "xavier", "--steps", "1", expect_ok=False)
+    assert "--init" in out and "xavier" in out, out
+
+
 def test_fused_equals_reference_with_gradients():
     fused = capsnet.load(weights_path(), ops_library=OPS)
     ref = capsnet.load(weights_path(), fused=False)
@@ -235,7 +266,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="capsnet_interop_") as work:
         WORK = work
         setup()
-        failed = run_tests((test_file_layout, test_matches_cpp, test_shipped_model,
+        failed = run_tests((test_file_layout, test_matches_cpp, test_shipped_model, test_authors_init,
                             test_fused_equals_reference_with_gradients, test_gradcheck_tiny_float64, test_errors))
     return 1 if failed else 0
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <vector>
@@ -75,6 +76,49 @@ TEST(CapsNetModelTest, ForwardIsTheLayerComposition) {
   EXPECT_TRUE(torch::allclose(out.reconstruction, model->decoder(capsnet::mask(v, labels)), 1e-5, 1e-6));
   EXPECT_EQ(model->primary_caps(torch::relu(model->conv1(images))).sizes(), (std::vector<int64_t>{3, 64, 8}));
   EXPECT_EQ(small_config().num_primary_caps(), 64);
+}
+
+TEST(CapsNetModelTest, AuthorsInitialisation) {
+  // init "authors": truncated normals (|w| <= 2 sigma; std 0.8796 sigma), biases 0.1, and PrimaryCaps'
+  // convolution divided by the number of types, its bias 0.1 after the division.
+  torch::manual_seed(28);
+  auto c = small_config();
+  c.conv1_channels = 64;
+  c.init = "authors";
+  EXPECT_DOUBLE_EQ(c.primary_scale(), 1.0 / c.primary_types);
+  CapsNet model(c);
+  auto truncated = [](const torch::Tensor& w, double sigma, const char* what) {
+    SCOPED_TRACE(what);
+    EXPECT_LE(w.abs().max().item<double>(), 2 * sigma * (1 + 1e-6));
+    const double sd = w.std().item<double>(), expected = 0.8796 * sigma;
+    EXPECT_NEAR(sd, expected, 4 * expected / std::sqrt(double(w.numel())) + 0.01 * expected);
+    EXPECT_NEAR(w.mean().item<double>(), 0.0, 4 * expected / std::sqrt(double(w.numel())));
+  };
+  truncated(model->conv1->weight, 0.05, "conv1");
+  truncated(model->primary_caps->conv->weight, 0.1, "primary");
+  truncated(model->digit_caps->weight, 0.1, "digit");
+  for (auto* fc : {&model->decoder->fc1, &model->decoder->fc2, &model->decoder->fc3}) {
+    truncated((*fc)->weight, 0.1, "decoder");
+    EXPECT_TRUE(torch::all((*fc)->bias == 0.1f).item<bool>());
+  }
+  EXPECT_TRUE(torch::all(model->conv1->bias == 0.1f).item<bool>());
+  EXPECT_TRUE(torch::allclose(model->primary_caps->conv->bias * c.primary_scale(),
+                              torch::full({c.primary_types * c.primary_dim}, 0.1f)));
+  // The forward divides PrimaryCaps' convolution: u = squash(regroup(conv(relu(conv1 x)) / types)).
+  auto images = torch::rand({3, 1, 12, 12});
+  auto y = model->primary_caps->conv(torch::relu(model->conv1(images))) / double(c.primary_types);  // [3, 32, 4, 4]
+  auto u = capsnet::squash(y.view({3, c.primary_types, 8, 4, 4}).permute({0, 1, 3, 4, 2}).reshape({3, -1, 8}));
+  EXPECT_TRUE(torch::allclose(model->digit_caps(u), model->forward(images).digit_caps, 1e-5, 1e-7));
+  // Seeded: the same weights again; the default init is untouched by the option.
+  torch::manual_seed(28);
+  CapsNet again(c);
+  EXPECT_TRUE(torch::equal(again->digit_caps->weight, model->digit_caps->weight));
+  c.init = "torch";
+  EXPECT_DOUBLE_EQ(c.primary_scale(), 1.0);
+  torch::manual_seed(28);
+  CapsNet plain(c);
+  EXPECT_LT(plain->digit_caps->weight.std().item<double>(), 0.02);
+  EXPECT_EQ(plain->primary_caps->options.output_scale(), 1.0);
 }
 
 TEST(CapsNetModelTest, ForwardWithoutDecoder) {
@@ -157,6 +201,7 @@ CapsNetConfig non_default_config() {
   c.grad_through_routing = false;
   c.reconstruction = false;
   c.reconstruction_scale = 0.125;
+  c.init = "authors";
   return c;
 }
 
@@ -175,6 +220,7 @@ void expect_same_config(const CapsNetConfig& a, const CapsNetConfig& b) {
   EXPECT_EQ(a.grad_through_routing, b.grad_through_routing);
   EXPECT_EQ(a.reconstruction, b.reconstruction);
   EXPECT_EQ(a.reconstruction_scale, b.reconstruction_scale);
+  EXPECT_EQ(a.init, b.init);
 }
 
 TEST(CapsNetModelTest, ConfigJsonRoundTrip) {
@@ -215,6 +261,8 @@ TEST(CapsNetModelTest, ConfigFromJsonRejectsBadInput) {
   rejects(json::parse(R"({"primary_dim": -8})"));
   rejects(json::parse(R"({"num_classes": 1})"));
   rejects(json::parse(R"({"reconstruction_scale": -0.5})"));
+  rejects(json::parse(R"({"init": "xavier"})"));                 // not an initialisation we have
+  rejects(json::parse(R"({"init": 1})"));
   rejects(json::parse("[1, 2]"));                                // not an object
   rejects(json::parse("28"));
   // The message names the offending key and says what is wrong with it.

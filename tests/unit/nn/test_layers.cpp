@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <vector>
 
 #include "capsnet/nn/capsule_linear.h"
@@ -76,6 +77,42 @@ TEST(LayersTest, PrimaryCapsAtomsLastOrder) {
 TEST(LayersTest, PrimaryCapsRejectsBadOptions) {
   EXPECT_THROW(cn::PrimaryCaps(cn::PrimaryCapsOptions(0, 32, 8)), c10::Error);
   EXPECT_THROW(cn::PrimaryCaps(cn::PrimaryCapsOptions(8, 32, 8).stride(0)), c10::Error);
+  EXPECT_THROW(cn::PrimaryCaps(cn::PrimaryCapsOptions(8, 32, 8).output_scale(0.0)), c10::Error);
+  EXPECT_THROW(cn::PrimaryCaps(cn::PrimaryCapsOptions(8, 32, 8).output_scale(std::nan(""))), c10::Error);
+}
+
+TEST(LayersTest, PrimaryCapsOutputScale) {
+  // output_scale s: squash(s (W x + b)) is the unscaled layer with weights s W and bias s b, in fp32 (the spectral
+  // fast path for 9x9 / stride 2) and bf16 against that float64 reference, values and gradients.
+  torch::manual_seed(16);
+  cn::PrimaryCaps scaled(cn::PrimaryCapsOptions(16, 4, 8).output_scale(0.25));
+  cn::PrimaryCaps plain(cn::PrimaryCapsOptions(16, 4, 8));
+  {
+    torch::NoGradGuard no_grad;
+    plain->conv->weight.copy_(scaled->conv->weight * 0.25);
+    plain->conv->bias.copy_(scaled->conv->bias * 0.25);
+  }
+  auto x = torch::rand({3, 16, 20, 20});
+  auto ref = cn::PrimaryCaps(std::dynamic_pointer_cast<cn::PrimaryCapsImpl>(plain->clone()));
+  ref->to(torch::kDouble);
+  auto xd = x.to(torch::kDouble).requires_grad_(true);
+  auto u_ref = ref(xd);
+  auto r = torch::randn_like(u_ref);
+  (u_ref * r).sum().backward();
+  for (auto precision : {capsnet::Precision::kFloat32, capsnet::Precision::kBFloat16}) {
+    SCOPED_TRACE(precision == capsnet::Precision::kFloat32 ? "fp32" : "bf16");
+    const double tol = precision == capsnet::Precision::kFloat32 ? 1e-4 : 2e-2;
+    scaled->zero_grad();
+    auto xs = x.clone().requires_grad_(true);
+    auto u = scaled(xs, precision);
+    EXPECT_LT((u.to(torch::kDouble) - u_ref).abs().max().item<double>(), tol * u_ref.abs().max().item<double>());
+    (u * r.to(torch::kFloat)).sum().backward();
+    // d/dW of s W x is s times d/d(sW): the scaled layer's weight gradient is s times the reference's.
+    auto gw = scaled->conv->weight.grad().to(torch::kDouble), gw_ref = ref->conv->weight.grad() * 0.25;
+    EXPECT_LT((gw - gw_ref).abs().max().item<double>(), 4 * tol * gw_ref.abs().max().item<double>());
+    EXPECT_LT((xs.grad().to(torch::kDouble) - xd.grad()).abs().max().item<double>(),
+              4 * tol * xd.grad().abs().max().item<double>());
+  }
 }
 
 TEST(LayersTest, CapsuleLinearPredictionsEqualLoop) {
@@ -161,6 +198,12 @@ TEST(LayersTest, GradcheckPrimaryCaps) {
   GradcheckOptions o;
   o.max_elements = 40;
   EXPECT_TRUE(gradcheck([&](const std::vector<torch::Tensor>& in) { return pc(in[0]); }, inputs, o));
+  // With an output scale (the authors' 1/types).
+  cn::PrimaryCaps scaled(cn::PrimaryCapsOptions(2, 2, 3).kernel_size(3).stride(2).output_scale(0.5));
+  scaled->to(torch::kDouble);
+  auto scaled_inputs = parameters_of(*scaled);
+  scaled_inputs.insert(scaled_inputs.begin(), x);
+  EXPECT_TRUE(gradcheck([&](const std::vector<torch::Tensor>& in) { return scaled(in[0]); }, scaled_inputs, o));
 }
 
 // Coupling coefficients c_ij of the last iteration of Procedure 1, from detached predictions.
