@@ -101,7 +101,7 @@ void add_train_flags(CLI::App& app, TrainFlags& f) {
       ->capture_default_str();
   app.add_option("--init", f.o.model.init,
                  "Initialisation: torch (LibTorch's defaults, DigitCaps W ~ N(0, 0.01^2)) or authors (the authors' "
-                 "code: truncated normals, biases 0.1, PrimaryCaps divided by its 32 types; docs/results.md)")
+                 "code: truncated normals, biases 0.1, PrimaryCaps divided by its number of types; docs/results.md)")
       ->check(CLI::IsMember({"torch", "authors"}))
       ->capture_default_str();
   app.add_flag("--stn", f.o.model.stn, "Spatial transformer in front of the CapsNet (identity at init)");

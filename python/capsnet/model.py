@@ -40,7 +40,7 @@ def check_config(config):
         default = DEFAULT_CONFIG[key]
         if key == "init" and isinstance(value, str) and value not in INITS:
             raise ValueError(f"model config: init must be one of {', '.join(INITS)}, got {value!r}")
-        ok = isinstance(value, str) and value in INITS if isinstance(default, str) else \
+        ok = isinstance(value, str) if isinstance(default, str) else \
             isinstance(value, bool) if isinstance(default, bool) else (
             isinstance(value, (int, float)) and not isinstance(value, bool) if isinstance(default, float) else
             isinstance(value, int) and not isinstance(value, bool))
