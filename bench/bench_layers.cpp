@@ -23,6 +23,7 @@
 #include "capsnet/kernels/unfolded_conv.h"
 #include "capsnet/models/capsnet.h"
 #include "capsnet/nn/capsule_linear.h"
+#include "capsnet/nn/functional.h"
 #include "capsnet/nn/primary_caps.h"
 #include "apps/runtime.h"
 
@@ -120,6 +121,37 @@ void ShallowConv(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * B);
 }
 
+// A first-layer convolution (1 -> 256 channels) without autograd, to a dense output (what the spectral
+// PrimaryCaps reads from kSpectralInferenceMinBatch on, and a pooling layer always). args {batch, side, kernel,
+// padding, bf16 (0/1), path}: path 0 oneDNN's blocked kernel with weights reordered once (kernels/blocked_conv.h),
+// then to_dense(); 1 ATen's conv2d on dense tensors; 2 one product per image over the patches
+// (kernels/unfolded_conv.h). {., 28, 9, 0}: the CapsNet's Conv1; {., 40, 9, 0} at 40x40; {., 40, 5, 2}: the
+// baseline CNN's conv1 at 40x40.
+void Conv1Inference(benchmark::State& state) {
+  const int64_t B = state.range(0), side = state.range(1), k = state.range(2), pad = state.range(3),
+                path = state.range(5);
+  const auto dtype = state.range(4) ? torch::kBFloat16 : torch::kFloat;
+  if (dtype == torch::kBFloat16 && !capsnet::cpu_has_native_bf16()) {
+    state.SkipWithError("this CPU has no native bf16");
+    return;
+  }
+  torch::manual_seed(0);
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(1, 256, k).padding(pad));
+  torch::NoGradGuard no_grad;
+  const auto x = torch::rand({B, 1, side, side}).to(dtype);  // x: [B, 1, S, S]
+  capsnet::kernels::BlockedConvWeights blocked;
+  auto run = [&]() -> torch::Tensor {  // y: [B, 256, P, P], dense
+    switch (path) {
+      case 0: return blocked.forward(conv, x, dtype).to_dense();
+      case 1: return torch::conv2d(x, conv->weight.to(dtype), conv->bias.to(dtype), 1, pad);
+      default: return capsnet::kernels::conv2d_unfolded(x, conv->weight, conv->bias, {1, 1}, {pad, pad});
+    }
+  };
+  for (int i = 0; i < 2; ++i) run();
+  for (auto _ : state) benchmark::DoNotOptimize(run());
+  state.SetItemsProcessed(state.iterations() * B);
+}
+
 // One stage of the paper's CapsNet training step at batch 100, 28x28, in either precision (args: {stage,
 // bf16 (0/1)}), run through the model's own modules and dispatch as training runs them; and the GEMM probe
 // each is compared with. Counter GFLOP/s: nominal FLOPs (apps::forward_flops: the direct convolutions'
@@ -192,6 +224,73 @@ void Stages(benchmark::State& state) {
         benchmark::Counter(flops * static_cast<double>(B) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// One stage of the paper's CapsNet inference at batch 100, 28x28, without autograd, as `capsnet bench`'s
+// "infer" column and `capsnet eval` run it (CapsNet::forward: every layer's inference caches kept between
+// calls, the decoder reconstructing the predicted class). args: {stage, bf16 (0/1)}; stages as Stages'
+// minus Adam: Conv1 (blocked oneDNN), PrimaryCaps (ReLU fused; spectral from batch 32 with the kept weight
+// spectrum), DigitCaps (predictions + 3 routing iterations, fp32), decoder, the whole forward. Counter
+// GFLOP/s: nominal forward FLOPs (apps::forward_flops) per second.
+void InferStages(benchmark::State& state) {
+  const auto stage = static_cast<Stage>(state.range(0));
+  const bool bf16 = state.range(1);
+  if (bf16 && !capsnet::cpu_has_native_bf16()) {
+    state.SkipWithError("this CPU has no native bf16");
+    return;
+  }
+  const auto precision = bf16 ? capsnet::Precision::kBFloat16 : capsnet::Precision::kFloat32;
+  const int64_t B = 100;
+  torch::manual_seed(0);
+  capsnet::models::CapsNetConfig config;
+  capsnet::models::CapsNet net(config);
+  net->set_precision(precision);
+  net->eval();
+  torch::NoGradGuard no_grad;
+  const auto f = capsnet::apps::forward_flops(config);
+  auto images = torch::rand({B, 1, 28, 28});  // images: [B, 1, 28, 28]
+  capsnet::kernels::BlockedConvWeights conv1_blocked;
+  auto conv1 = [&] { return capsnet::kernels::conv2d_at(net->conv1, images, precision, &conv1_blocked); };
+  const std::vector<int64_t> conv1_sizes{B, config.conv1_channels, config.conv1_grid(), config.conv1_grid()};
+  auto conv1_out = conv1();  // [B, 256, 20, 20], blocked where conv2d_at keeps it so
+  auto u = net->primary_caps(conv1_out, precision, /*relu_input=*/true);  // u: [B, 1152, 8]
+  auto v = net->digit_caps(u);                                           // v: [B, 10, 16]
+  const auto which = capsnet::capsule_length(v).argmax(1);
+  std::function<void()> run;
+  double flops = 0;  // per image
+  switch (stage) {
+    case kConv1:
+      run = [&] { benchmark::DoNotOptimize(conv1()); };
+      flops = f.conv1;
+      break;
+    case kPrimary:
+      run = [&] {
+        net->primary_caps->prepare(conv1_sizes, precision);
+        benchmark::DoNotOptimize(net->primary_caps(conv1_out, precision, true));
+      };
+      flops = f.primary;
+      break;
+    case kDigit:
+      run = [&] { benchmark::DoNotOptimize(net->digit_caps(u)); };
+      flops = f.predictions + f.routing;
+      break;
+    case kDecoder:
+      run = [&] { benchmark::DoNotOptimize(net->decode(v, which)); };
+      flops = f.decoder;
+      break;
+    case kStep:
+      run = [&] { benchmark::DoNotOptimize(net->forward(images).lengths); };
+      flops = f.total();
+      break;
+    case kAdam:
+      state.SkipWithError("no optimizer at inference");
+      return;
+  }
+  for (int i = 0; i < 2; ++i) run();  // warm-up: caches, oneDNN primitives
+  for (auto _ : state) run();
+  state.SetItemsProcessed(state.iterations() * B);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops * static_cast<double>(B) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 // The GEMM probe of `capsnet bench` (2048^3 matrix product) as a benchmark, so that the stages' rates are
 // compared with the machine's in the same run. args: {bf16 (0/1)}.
 void GemmProbe(benchmark::State& state) {
@@ -209,6 +308,18 @@ BENCHMARK(GemmProbe)->ArgNames({"bf16"})->Args({0})->Args({1})->Iterations(1)->U
 BENCHMARK(Stages)
     ->ArgNames({"stage", "bf16"})
     ->ArgsProduct({{kConv1, kPrimary, kDigit, kDecoder, kAdam, kStep}, {0, 1}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(Conv1Inference)
+    ->ArgNames({"batch", "side", "kernel", "pad", "bf16", "path"})
+    ->ArgsProduct({{32, 100, 250}, {28}, {9}, {0}, {0, 1}, {0, 1, 2}})
+    ->ArgsProduct({{32, 100}, {40}, {9}, {0}, {0, 1}, {0, 1, 2}})
+    ->ArgsProduct({{32, 100}, {40}, {5}, {2}, {0, 1}, {0, 1, 2}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(InferStages)
+    ->ArgNames({"stage", "bf16"})
+    ->ArgsProduct({{kConv1, kPrimary, kDigit, kDecoder, kStep}, {0, 1}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(DigitCaps)

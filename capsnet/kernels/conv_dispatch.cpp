@@ -79,9 +79,23 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, torch::Tensor x, Precision prec
   const auto dtype = compute_dtype(precision);
   const auto& o = conv->options;
   const bool spectral = x.device().is_cpu() && spectral_at(conv, x.sizes(), precision);
-  // The ReLU is fused only into the spectral form's backward (conv2d_spectral_relu); elsewhere it runs first.
-  const bool fused_relu = relu_input && spectral && torch::GradMode::is_enabled();
+  // The ReLU is fused into the spectral form: into its backward under autograd (conv2d_spectral_relu), into the
+  // input's last-axis stage at inference with a kept spectrum (conv2d_spectral_inference); elsewhere it runs first.
+  const bool spectral_inference = spectral && blocked && !torch::GradMode::is_enabled();
+  const bool fused_relu = relu_input && spectral && (torch::GradMode::is_enabled() || spectral_inference);
   const bool separate_relu = relu_input && !fused_relu;
+  // Little reduction depth per output (Conv1) at inference from kSpectralInferenceMinBatch images on, in either
+  // precision: one product per image over the patches, to a dense output (what the spectral PrimaryCaps and
+  // the CNN's pooling read). Measured against the blocked kernel + to_dense() and ATen's dense call, batch 100:
+  // Conv1 bf16 4.1 vs 6.7 / 6.5 ms, fp32 6.7 vs 8.1 / 7.9; at 40 x 40 bf16 6.3 vs 15.4, the CNN's conv1 bf16
+  // 4.8 vs 12.6 (docs/kernels.md). Below that batch the blocked kernel feeds a blocked consumer.
+  if (!torch::GradMode::is_enabled() && x.dim() == 4 && !x.is_mkldnn() && x.device().is_cpu() &&
+      x.size(0) >= kSpectralInferenceMinBatch && use_unfolded_conv(o)) {
+    const auto padding = numeric_padding(o, "conv2d_at");
+    const auto xc = precision == Precision::kFloat32 ? x : x.to(dtype);
+    return conv2d_unfolded(separate_relu ? torch::relu(xc) : xc, conv->weight, conv->bias,
+                           {o.stride()->at(0), o.stride()->at(1)}, {padding->at(0), padding->at(1)});
+  }
   if (!spectral && blocked && BlockedConvWeights::usable(conv, x, dtype))
     return blocked->forward(conv, separate_relu ? torch::relu(x) : x, dtype);
   // A forward under autograd is training: the optimizer step after it may change the weights without
@@ -100,10 +114,11 @@ torch::Tensor conv2d_at(torch::nn::Conv2d& conv, torch::Tensor x, Precision prec
     const std::array<int64_t, 2> stride{o.stride()->at(0), o.stride()->at(1)};
     // Inference with a cache to keep it in: the weight's spectrum is made once per weight update; x is
     // handed over (the inference lets it go once its last-axis stage is made).
-    if (blocked && !torch::GradMode::is_enabled()) {
+    if (spectral_inference) {
       const auto w_spectrum = blocked->spectrum(conv, x.scalar_type(), {x.size(2), x.size(3)});
       return conv2d_spectral_inference(std::move(x), w_spectrum, conv->bias,
-                                       {o.kernel_size()->at(0), o.kernel_size()->at(1)}, stride);
+                                       {o.kernel_size()->at(0), o.kernel_size()->at(1)}, stride,
+                                       kSpectralChunkBytes, relu_input);
     }
     return fused_relu ? conv2d_spectral_relu(x, conv->weight, conv->bias, stride)
                       : conv2d_spectral(x, conv->weight, conv->bias, stride);

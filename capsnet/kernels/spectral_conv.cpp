@@ -8,7 +8,10 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <optional>
+#include <tuple>
 
 namespace capsnet::kernels {
 namespace {
@@ -32,15 +35,37 @@ torch::Tensor dft_angles(int64_t frequencies, int64_t samples, int64_t step, int
   return (k * r).remainder(n) * (kTwoPi / n);  // [frequencies, samples]
 }
 
+// The DFT matrices of a geometry, made once per process: a PrimaryCaps step asks for ~40 of them (one per
+// chunk of frequency columns and pass), each ~10 small ATen ops from float64 angles, ~2 ms of a step when
+// made per call. Key: (which matrix, its integer arguments, dtype); the matrices are read, never written.
+// Bounded: a process that sees many geometries (the tests) starts over past kMaxCachedMatrices.
+constexpr size_t kMaxCachedMatrices = 512;
+
+template <class Make>
+torch::Tensor cached_matrix(int which, std::array<int64_t, 6> args, const torch::TensorOptions& o, Make make) {
+  using Key = std::tuple<int, std::array<int64_t, 6>, c10::ScalarType, c10::DeviceType, c10::DeviceIndex>;
+  static std::mutex mutex;
+  static std::map<Key, torch::Tensor> cache;
+  const Key key{which, args, o.dtype().toScalarType(), o.device().type(), o.device().index()};
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (const auto it = cache.find(key); it != cache.end()) return it->second;
+  }
+  auto m = make();  // outside the lock: two threads may make the same matrix; both are equal
+  std::lock_guard<std::mutex> lock(mutex);
+  if (cache.size() >= kMaxCachedMatrices) cache.clear();
+  return cache.emplace(key, m).first->second;
+}
+
 // The real DFT along the last axis: rows (part, k) for k < n/2 + 1, part 0 = cos, 1 = -sin (e^{-i a}).
-torch::Tensor real_dft_matrix(int64_t n, int64_t step, int64_t used, const torch::TensorOptions& o) {
+torch::Tensor make_real_dft_matrix(int64_t n, int64_t step, int64_t used, const torch::TensorOptions& o) {
   const auto a = dft_angles(half_size(n), used, step, n);
   return torch::cat({torch::cos(a), -torch::sin(a)}, 0).to(o);  // [2 K, used]
 }
 
 // The complex DFT along the first spatial axis, acting on rows ordered (sample, part) and giving rows
 // (part, k): out_re = C in_re + S in_im, out_im = -S in_re + C in_im (e^{-i a} = C - i S).
-torch::Tensor complex_dft_matrix(int64_t n, int64_t step, int64_t used, const torch::TensorOptions& o) {
+torch::Tensor make_complex_dft_matrix(int64_t n, int64_t step, int64_t used, const torch::TensorOptions& o) {
   const auto a = dft_angles(n, used, step, n);
   const auto c = torch::cos(a), s = torch::sin(a);
   const auto re = torch::stack({c, s}, 2).reshape({n, 2 * used});
@@ -49,7 +74,7 @@ torch::Tensor complex_dft_matrix(int64_t n, int64_t step, int64_t used, const to
 }
 
 // The inverse along the first axis: rows (i, part) for positions step * i, columns (part, k), e^{+i a}.
-torch::Tensor complex_idft_matrix(int64_t n, int64_t step, int64_t count, const torch::TensorOptions& o) {
+torch::Tensor make_complex_idft_matrix(int64_t n, int64_t step, int64_t count, const torch::TensorOptions& o) {
   const auto a = dft_angles(n, count, step, n).t();  // [count, n]
   const auto c = torch::cos(a), s = torch::sin(a);
   return torch::stack({torch::cat({c, -s}, 1), torch::cat({s, c}, 1)}, 1).reshape({2 * count, 2 * n}).to(o);
@@ -58,13 +83,33 @@ torch::Tensor complex_idft_matrix(int64_t n, int64_t step, int64_t count, const 
 // The inverse along the last axis to real samples at step * j, with the 1 / (n0 n1) of the whole 2-D
 // inverse and the half spectrum's weights (2 for every k with a conjugate twin outside it): the real
 // part of sum_k w_k (u_re + i u_im) e^{+i a} = w_k (u_re cos a - u_im sin a). Rows (part, k): [2 K, count].
-torch::Tensor real_idft_matrix(int64_t n0, int64_t n, int64_t step, int64_t count, const torch::TensorOptions& o) {
+torch::Tensor make_real_idft_matrix(int64_t n0, int64_t n, int64_t step, int64_t count, const torch::TensorOptions& o) {
   const int64_t K = half_size(n);
   auto weight = torch::full({K, 1}, 2.0 / static_cast<double>(n0 * n), torch::kFloat64);
   weight[0] = 1.0 / static_cast<double>(n0 * n);
   if (n % 2 == 0) weight[K - 1] = 1.0 / static_cast<double>(n0 * n);
   const auto a = dft_angles(K, count, step, n);  // [K, count]
   return torch::cat({weight * torch::cos(a), -weight * torch::sin(a)}, 0).to(o);
+}
+
+// The matrices above, each made once per geometry and dtype (cached_matrix).
+torch::Tensor real_dft_matrix(int64_t n, int64_t step, int64_t used, const torch::TensorOptions& o) {
+  return cached_matrix(0, {n, step, used}, o, [&] { return make_real_dft_matrix(n, step, used, o); });
+}
+torch::Tensor complex_dft_matrix(int64_t n, int64_t step, int64_t used, const torch::TensorOptions& o) {
+  return cached_matrix(1, {n, step, used}, o, [&] { return make_complex_dft_matrix(n, step, used, o); });
+}
+torch::Tensor complex_idft_matrix(int64_t n, int64_t step, int64_t count, const torch::TensorOptions& o) {
+  return cached_matrix(2, {n, step, count}, o, [&] { return make_complex_idft_matrix(n, step, count, o); });
+}
+// make_real_idft_matrix's [2 K, count1] repeated for `rows` output rows, [rows, 2 K, count1]: the batched product's
+// right operand in last_axis_inverse_into.
+torch::Tensor real_idft_matrices(int64_t n0, int64_t n, int64_t step, int64_t count, int64_t rows,
+                                 const torch::TensorOptions& o) {
+  return cached_matrix(3, {n0, n, step, count, rows}, o, [&] {
+    const auto iw = make_real_idft_matrix(n0, n, step, count, o);
+    return iw.expand({rows, iw.size(0), iw.size(1)}).contiguous();
+  });
 }
 
 // The spectra's two stages. Along the last axis, one product per sample row r (t read in place,
@@ -108,13 +153,19 @@ torch::Tensor two_stage_spectrum(const torch::Tensor& t, std::array<int64_t, 2> 
 
 // The 2-D DFT of K0 x K1 samples (step 1) for the frequency columns k1 in [k_begin, k_begin + count): rows
 // (part, k0, k1), columns (r, s); part 0 = cos, 1 = -sin of 2 pi (k0 r / n0 + k1 s / n1).
-torch::Tensor kernel_dft_matrix(std::array<int64_t, 2> n, std::array<int64_t, 2> kernel, int64_t k_begin,
-                                int64_t count, const torch::TensorOptions& o) {
+torch::Tensor make_kernel_dft_matrix(std::array<int64_t, 2> n, std::array<int64_t, 2> kernel, int64_t k_begin,
+                                     int64_t count, const torch::TensorOptions& o) {
   const auto a0 = dft_angles(n[0], kernel[0], 1, n[0]);                                   // [n0, K0]
   const auto a1 = dft_angles(k_begin + count, kernel[1], 1, n[1]).narrow(0, k_begin, count);  // [count, K1]
   const auto a = (a0.view({n[0], 1, kernel[0], 1}) + a1.view({1, count, 1, kernel[1]}))
                      .reshape({n[0] * count, kernel[0] * kernel[1]});
   return torch::cat({torch::cos(a), -torch::sin(a)}, 0).to(o);  // [2 n0 count, K0 K1]
+}
+
+torch::Tensor kernel_dft_matrix(std::array<int64_t, 2> n, std::array<int64_t, 2> kernel, int64_t k_begin,
+                                int64_t count, const torch::TensorOptions& o) {
+  return cached_matrix(4, {n[0], n[1], kernel[0], kernel[1], k_begin, count}, o,
+                       [&] { return make_kernel_dft_matrix(n, kernel, k_begin, count, o); });
 }
 
 // A kernel's spectrum on the n0 x n1 circle, a chunk of frequency columns at a time, as
@@ -200,11 +251,11 @@ void first_axis_inverse_into(torch::Tensor& u, const torch::Tensor& spec, int64_
 void last_axis_inverse_into(torch::Tensor& out, const torch::Tensor& u, std::array<int64_t, 2> n, int64_t step,
                             std::array<int64_t, 2> count) {
   const int64_t PQ = out.size(0) * out.size(1), K = half_size(n[1]);
-  const auto iw = real_idft_matrix(n[0], n[1], step, count[1], u.options());  // iw: [2 K, count1]
+  const auto iw = real_idft_matrices(n[0], n[1], step, count[1], count[0], u.options());  // iw: [count0, 2 K, count1]
   const auto a = u.view({count[0], 2 * K, PQ}).transpose(1, 2);               // a: [count0, PQ, 2 K]
   // dst: [count0, PQ, count1], a view of out's rows
   auto dst = out.view({PQ, out.size(2), out.size(3)}).narrow(1, 0, count[0]).narrow(2, 0, count[1]).transpose(0, 1);
-  batched_gemm_into(dst, a, iw.expand({count[0], 2 * K, count[1]}).contiguous(), 1.0, 0.0);
+  batched_gemm_into(dst, a, iw, 1.0, 0.0);
 }
 
 // The complex products per frequency, with three real ones each (Gauss), over one chunk of frequency
@@ -617,7 +668,7 @@ torch::Tensor conv2d_spectral_weight_spectrum(const torch::Tensor& w, std::array
 
 torch::Tensor conv2d_spectral_inference(torch::Tensor x, const torch::Tensor& w_spectrum,
                                         const torch::Tensor& b, std::array<int64_t, 2> kernel,
-                                        std::array<int64_t, 2> stride, int64_t chunk_bytes) {
+                                        std::array<int64_t, 2> stride, int64_t chunk_bytes, bool relu_input) {
   TORCH_CHECK(!torch::GradMode::is_enabled() || !x.requires_grad(),
               "conv2d_spectral_inference: no gradients through a kept weight spectrum; use conv2d_spectral");
   TORCH_CHECK(x.dim() == 4 && x.device().is_cpu() && w_spectrum.dim() == 4 && w_spectrum.size(0) == 2 &&
@@ -635,7 +686,7 @@ torch::Tensor conv2d_spectral_inference(torch::Tensor x, const torch::Tensor& w_
   const auto sums = x.options().dtype(x.scalar_type() == torch::kBFloat16 ? torch::kFloat : x.scalar_type());
   // x's spectrum a chunk of columns at a time from its last-axis stage: nothing keeps it for a backward, and
   // the whole of it would sit beside that stage (each about x's size: 49 MB each for bf16 at batch 250).
-  const auto x_last_axis = last_axis_spectrum(x, g.circle[1], 1, g.circle);  // [circle0, 2 K, N C]
+  const auto x_last_axis = last_axis_spectrum(x, g.circle[1], 1, g.circle, relu_input);  // [circle0, 2 K, N C]
   const int64_t N = x.size(0), element_size = x.element_size();
   const auto spectra = x.options();
   x = torch::Tensor();  // the products read x's last-axis stage only (a caller that moved x in frees it here)

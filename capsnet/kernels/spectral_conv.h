@@ -72,10 +72,11 @@ torch::Tensor conv2d_spectral_weight_spectrum(const torch::Tensor& w, std::array
 
 /// conv2d_spectral's forward with a kept weight spectrum (above), without autograd: x [N, C, H, W] in the
 /// spectrum's dtype, b: [O] (fp32 / fp64) or undefined, kernel: K0, K1. Returns y: [N, O, P, Q] in x's dtype.
-/// x by value: a moved-in x goes once its last-axis stage is made, before the products.
+/// x by value: a moved-in x goes once its last-axis stage is made, before the products. relu_input: convolve
+/// relu(x), the ReLU applied a row at a time inside that stage (no pass over the whole of x).
 torch::Tensor conv2d_spectral_inference(torch::Tensor x, const torch::Tensor& w_spectrum, const torch::Tensor& b,
                                         std::array<int64_t, 2> kernel, std::array<int64_t, 2> stride,
-                                        int64_t chunk_bytes = kSpectralChunkBytes);
+                                        int64_t chunk_bytes = kSpectralChunkBytes, bool relu_input = false);
 
 /// The building blocks (exposed for the tests).
 /// spectrum of t: [P, Q, R, S] (contiguous) on an n[0] x n[1] circle, sample (r, s) of t placed at

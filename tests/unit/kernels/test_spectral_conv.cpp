@@ -347,6 +347,35 @@ TEST(SpectralConv, InferenceFromAKeptSpectrumEqualsTheForward) {
   }
 }
 
+// relu_input: the forward from a kept spectrum of relu(x), the ReLU inside its last-axis stage, equals the
+// same call on relu(x) bit for bit (fp32, fp64, bf16), and conv2d_at's inference path fuses it.
+TEST(SpectralConv, InferenceFusesTheInputsRelu) {
+  torch::manual_seed(17);
+  torch::NoGradGuard no_grad;
+  std::vector<torch::ScalarType> dtypes{torch::kDouble, torch::kFloat};
+  if (cpu_has_native_bf16()) dtypes.push_back(torch::kBFloat16);
+  for (const auto dtype : dtypes) {
+    const auto master = dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
+    for (const auto& t : cases()) {
+      const auto x = torch::randn({t.n, t.c, t.h, t.w}, master).to(dtype);
+      const auto w = torch::randn({t.o, t.c, t.k0, t.k1}, master), b = torch::randn({t.o}, master);
+      const auto spectrum = kernels::conv2d_spectral_weight_spectrum(w, {t.h, t.w}, {t.s0, t.s1}, dtype);
+      const auto fused = kernels::conv2d_spectral_inference(x, spectrum, b, {t.k0, t.k1}, {t.s0, t.s1},
+                                                            kernels::kSpectralChunkBytes, /*relu_input=*/true);
+      const auto separate = kernels::conv2d_spectral_inference(torch::relu(x), spectrum, b, {t.k0, t.k1}, {t.s0, t.s1});
+      EXPECT_TRUE(torch::equal(fused, separate)) << name(t);
+      EXPECT_FALSE(torch::equal(fused, kernels::conv2d_spectral_inference(x, spectrum, b, {t.k0, t.k1}, {t.s0, t.s1})))
+          << name(t);
+    }
+  }
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(32, 8, 9).stride(2));
+  const auto x = torch::randn({kernels::kSpectralInferenceMinBatch, 32, 20, 20});
+  kernels::BlockedConvWeights blocked;
+  const auto y = kernels::conv2d_at(conv, x, Precision::kFloat32, &blocked, /*relu_input=*/true);
+  EXPECT_TRUE(torch::equal(y, kernels::conv2d_spectral_inference(torch::relu(x), blocked.spectrum(conv, torch::kFloat, {20, 20}),
+                                                                conv->bias, {9, 9}, {2, 2})));
+}
+
 TEST(SpectralConv, InferenceRefusesAMismatchedSpectrum) {
   const auto w = torch::randn({4, 3, 5, 5});
   const auto spectrum = kernels::conv2d_spectral_weight_spectrum(w, {13, 13}, {2, 2}, torch::kFloat);

@@ -155,6 +155,40 @@ TEST(UnfoldedConv, Conv2dAtTrainsConv1OnItInBf16Only) {
       at::conv2d(x.to(torch::kBFloat16), conv->weight.to(torch::kBFloat16), conv->bias.to(torch::kBFloat16))));
 }
 
+// Without autograd, from kSpectralInferenceMinBatch images on, conv2d_at runs shallow convolutions on it in
+// either precision, with a dense output, and applies relu_input to its input; below that batch, with blocked
+// weights offered, oneDNN's blocked kernel (a blocked output). Values: the direct call's, bit for bit, and
+// ATen's within the precision's rounding.
+TEST(UnfoldedConv, Conv2dAtInfersOnItFromTheMinimumBatch) {
+  torch::manual_seed(6);
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(1, 16, 5).padding(2));  // the baseline CNN's conv1, narrower
+  torch::NoGradGuard no_grad;
+  std::vector<Precision> precisions{Precision::kFloat32};
+  if (cpu_has_native_bf16()) precisions.push_back(Precision::kBFloat16);
+  for (const auto precision : precisions) {
+    const auto dtype = compute_dtype(precision);
+    for (const int64_t n : {kernels::kSpectralInferenceMinBatch - 1, kernels::kSpectralInferenceMinBatch}) {
+      for (const bool relu : {false, true}) {
+        const auto x = torch::randn({n, 1, 12, 12});  // negative entries: the ReLU matters
+        kernels::BlockedConvWeights blocked;
+        const auto y = kernels::conv2d_at(conv, x, precision, &blocked, relu);
+        const bool unfolded = n >= kernels::kSpectralInferenceMinBatch;
+        const std::string what = std::to_string(n) + " " + precision_name(precision) + (relu ? " relu" : "");
+        ASSERT_EQ(y.is_mkldnn(), !unfolded) << what;
+        EXPECT_EQ(blocked.reorders(), unfolded ? 0 : 1) << what;
+        const auto xr = relu ? torch::relu(x) : x;
+        if (unfolded)
+          EXPECT_TRUE(torch::equal(y, kernels::conv2d_unfolded(xr.to(dtype), conv->weight, conv->bias, {1, 1}, {2, 2})))
+              << what;
+        const auto ref = at::conv2d(xr.to(torch::kDouble), conv->weight.to(torch::kDouble),
+                                    conv->bias.to(torch::kDouble), 1, 2);
+        EXPECT_LT(relative(y.is_mkldnn() ? y.to_dense() : y, ref), precision == Precision::kFloat32 ? 1e-6 : 1e-2)
+            << what;
+      }
+    }
+  }
+}
+
 TEST(UnfoldedConv, RefusesBadInput) {
   const auto x = torch::randn({2, 1, 8, 8});
   EXPECT_THROW(kernels::conv2d_unfolded(x, torch::randn({4, 2, 3, 3}), {}, {1, 1}, {0, 0}), c10::Error);  // channels
