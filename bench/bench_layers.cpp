@@ -6,7 +6,7 @@
 //   build/bench/capsnet_bench_layers --benchmark_filter=DigitCaps --benchmark_repetitions=3
 //   build/bench/capsnet_bench_layers --benchmark_filter='GemmProbe|Stages' --benchmark_repetitions=3 \
 //     --benchmark_format=json > stages.json && python3 bench/stage_table.py stages.json
-//   CAPSNET_PROFILE_TRACE=trace.json build/bench/capsnet_bench_layers --benchmark_filter='Stages/stage:1/bf16:1' \
+//   CAPSNET_PROFILE_TRACE=trace.json build/bench/capsnet_bench_layers --benchmark_filter='Stages/stage:1/bf16:1/side:28' \
 //     && python3 bench/profile_summary.py trace.json      # where PrimaryCaps' time goes, per step
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
@@ -152,8 +152,8 @@ void Conv1Inference(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * B);
 }
 
-// One stage of the paper's CapsNet training step at batch 100, 28x28, in either precision (args: {stage,
-// bf16 (0/1)}), run through the model's own modules and dispatch as training runs them; and the GEMM probe
+// One stage of the paper's CapsNet training step at batch 100, in either precision, at 28x28 or with the
+// affine experiment's 40x40 input (args: {stage, bf16 (0/1), side}; 40x40 in bf16 only), run through the model's own modules and dispatch as training runs them; and the GEMM probe
 // each is compared with. Counter GFLOP/s: nominal FLOPs (apps::forward_flops: the direct convolutions'
 // count) per second of forward + backward: Conv1 2x its forward (no input gradient), every other stage 3x;
 // "step" is the whole step (forward, loss, backward, fused Adam), "adam" the optimizer step alone (no
@@ -168,18 +168,19 @@ void Stages(benchmark::State& state) {
     return;
   }
   const auto precision = bf16 ? capsnet::Precision::kBFloat16 : capsnet::Precision::kFloat32;
-  const int64_t B = 100;
+  const int64_t B = 100, side = state.range(2);
   torch::manual_seed(0);
   capsnet::models::CapsNetConfig config;  // the paper's model
+  config.image_size = side;
   capsnet::models::CapsNet net(config);
   net->set_precision(precision);
   auto adam = capsnet::kernels::make_adam(net->parameters(), torch::optim::AdamOptions(1e-3));
   const auto f = capsnet::apps::forward_flops(config);
-  auto images = torch::rand({B, 1, 28, 28});  // images: [B, 1, 28, 28]
+  auto images = torch::rand({B, 1, side, side});  // images: [B, 1, S, S]
   auto labels = torch::randint(10, {B}, torch::kLong);
   // Each stage's input as training hands it over, detached so that only the stage runs backward.
-  auto conv1_out = capsnet::kernels::conv2d_at(net->conv1, images, precision, nullptr).detach();  // [B, 256, 20, 20]
-  auto u = net->primary_caps(conv1_out, precision, /*relu_input=*/true).detach();                  // u: [B, 1152, 8]
+  auto conv1_out = capsnet::kernels::conv2d_at(net->conv1, images, precision, nullptr).detach();  // [B, 256, S - 8, S - 8]
+  auto u = net->primary_caps(conv1_out, precision, /*relu_input=*/true).detach();                  // u: [B, I, 8]
   auto masked = (torch::randn({B, 160}) * 0.1).requires_grad_();                                  // [B, J * D]
   conv1_out.requires_grad_();
   u.requires_grad_();
@@ -250,8 +251,8 @@ void InferStages(benchmark::State& state) {
   capsnet::kernels::BlockedConvWeights conv1_blocked;
   auto conv1 = [&] { return capsnet::kernels::conv2d_at(net->conv1, images, precision, &conv1_blocked); };
   const std::vector<int64_t> conv1_sizes{B, config.conv1_channels, config.conv1_grid(), config.conv1_grid()};
-  auto conv1_out = conv1();  // [B, 256, 20, 20], blocked where conv2d_at keeps it so
-  auto u = net->primary_caps(conv1_out, precision, /*relu_input=*/true);  // u: [B, 1152, 8]
+  auto conv1_out = conv1();  // [B, 256, S - 8, S - 8], blocked where conv2d_at keeps it so
+  auto u = net->primary_caps(conv1_out, precision, /*relu_input=*/true);  // u: [B, I, 8]
   auto v = net->digit_caps(u);                                           // v: [B, 10, 16]
   const auto which = capsnet::capsule_length(v).argmax(1);
   std::function<void()> run;
@@ -306,8 +307,9 @@ void GemmProbe(benchmark::State& state) {
 
 BENCHMARK(GemmProbe)->ArgNames({"bf16"})->Args({0})->Args({1})->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK(Stages)
-    ->ArgNames({"stage", "bf16"})
-    ->ArgsProduct({{kConv1, kPrimary, kDigit, kDecoder, kAdam, kStep}, {0, 1}})
+    ->ArgNames({"stage", "bf16", "side"})
+    ->ArgsProduct({{kConv1, kPrimary, kDigit, kDecoder, kAdam, kStep}, {0, 1}, {28}})
+    ->ArgsProduct({{kConv1, kPrimary, kDigit, kDecoder, kAdam, kStep}, {1}, {40}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(Conv1Inference)

@@ -35,7 +35,10 @@ bool use_phase_input_grad(const torch::nn::detail::ConvNdOptions<2>& o, int64_t 
 }
 
 bool use_spectral_conv(const torch::nn::detail::ConvNdOptions<2>& o, int64_t in_h, int64_t in_w) {
-  if (!use_batch_swapped_weight_grad(o, in_h, in_w)) return false;
+  // Not tied to the batch-swapped geometry's small outputs: the DFTs' saving grows with the output.
+  if (o.groups() != 1 || o.in_channels() < kBatchSwappedMinInChannels || o.padding().index() != 0 ||
+      o.padding_mode().index() != 0)
+    return false;
   const auto padding = numeric_padding(o, "use_spectral_conv");
   const auto& k = o.kernel_size();
   const auto& s = o.stride();

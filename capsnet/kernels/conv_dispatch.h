@@ -38,10 +38,11 @@ bool use_batch_swapped_weight_grad(const torch::nn::detail::ConvNdOptions<2>& op
 bool use_phase_input_grad(const torch::nn::detail::ConvNdOptions<2>& options, int64_t in_h, int64_t in_w);
 
 /// Whether conv2d_at runs `conv` on an in_h x in_w input through DFTs (kernels/spectral_conv.h), in either
-/// precision: the batch-swapped geometry (above) with zero padding, dilation 1 and a kernel large enough
-/// for spectral_conv_pays_off (PrimaryCaps: 5.1x fewer multiply-adds; measured ~2x faster per pass than
-/// oneDNN's fp32 kernels at batch 100, and in bf16 forward + backward 1.4-1.5x faster than oneDNN's bf16
-/// kernels, docs/kernels.md).
+/// precision: groups 1, at least kBatchSwappedMinInChannels input channels, zero padding, dilation 1 and a
+/// kernel large enough for spectral_conv_pays_off, whatever the output's size (PrimaryCaps at 28 x 28: 5.1x
+/// fewer multiply-adds, measured ~2x faster per pass than oneDNN's fp32 kernels at batch 100 and in bf16
+/// forward + backward 1.4-1.5x faster than oneDNN's bf16 kernels; at 40 x 40, 12 x 12 outputs: 7.8x fewer,
+/// bf16 forward + backward 4x faster; docs/kernels.md).
 bool use_spectral_conv(const torch::nn::detail::ConvNdOptions<2>& options, int64_t in_h, int64_t in_w);
 
 /// Largest reduction depth C k0 k1 per output at which conv2d_at trains a convolution as one product per

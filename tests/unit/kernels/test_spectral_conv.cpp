@@ -260,6 +260,9 @@ TEST(SpectralConv, OnlyLargeKernelsOnSmallOutputsInFp32UseIt) {
   EXPECT_TRUE(kernels::spectral_conv_pays_off({9, 9}, {6, 6}, {2, 2}));            // 2916 vs 570 per channel pair
   EXPECT_FALSE(kernels::spectral_conv_pays_off({3, 3}, {6, 6}, {1, 1}));           // 324 vs 192
   EXPECT_TRUE(kernels::use_spectral_conv(conv(256, 256, 9, 2, 0), 20, 20));        // PrimaryCaps
+  EXPECT_TRUE(kernels::use_spectral_conv(conv(256, 256, 9, 2, 0), 28, 28));        // MultiMNIST's, 10 x 10 out
+  EXPECT_TRUE(kernels::use_spectral_conv(conv(256, 256, 9, 2, 0), 32, 32));        // 40 x 40 images, 12 x 12 out
+  EXPECT_TRUE(kernels::use_spectral_conv(conv(256, 256, 9, 2, 0), 34, 34));        // 42 x 42 (STN), 13 x 13 out
   EXPECT_FALSE(kernels::use_spectral_conv(conv(1, 256, 9, 1, 0), 28, 28));         // Conv1: one input channel
   EXPECT_FALSE(kernels::use_spectral_conv(conv(256, 256, 9, 2, 1), 20, 20));       // padding
   EXPECT_FALSE(kernels::use_spectral_conv(conv(256, 256, 9, 2, 0, 2), 20, 20));    // dilation
