@@ -34,6 +34,13 @@
 
 namespace {
 
+// Marks a bf16 benchmark skipped on a CPU without native bf16 (true: the caller returns).
+bool skipped_without_bf16(benchmark::State& state, bool bf16) {
+  if (!bf16 || capsnet::cpu_has_native_bf16()) return false;
+  state.SkipWithError("this CPU has no native bf16");
+  return true;
+}
+
 using capsnet::nn::CapsuleLinear;
 using capsnet::nn::CapsuleLinearOptions;
 
@@ -131,10 +138,7 @@ void Conv1Inference(benchmark::State& state) {
   const int64_t B = state.range(0), side = state.range(1), k = state.range(2), pad = state.range(3),
                 path = state.range(5);
   const auto dtype = state.range(4) ? torch::kBFloat16 : torch::kFloat;
-  if (dtype == torch::kBFloat16 && !capsnet::cpu_has_native_bf16()) {
-    state.SkipWithError("this CPU has no native bf16");
-    return;
-  }
+  if (skipped_without_bf16(state, dtype == torch::kBFloat16)) return;
   torch::manual_seed(0);
   torch::nn::Conv2d conv(torch::nn::Conv2dOptions(1, 256, k).padding(pad));
   torch::NoGradGuard no_grad;
@@ -163,10 +167,7 @@ enum Stage : int64_t { kConv1, kPrimary, kDigit, kDecoder, kAdam, kStep };
 void Stages(benchmark::State& state) {
   const auto stage = static_cast<Stage>(state.range(0));
   const bool bf16 = state.range(1);
-  if (bf16 && !capsnet::cpu_has_native_bf16()) {
-    state.SkipWithError("this CPU has no native bf16");
-    return;
-  }
+  if (skipped_without_bf16(state, bf16)) return;
   const auto precision = bf16 ? capsnet::Precision::kBFloat16 : capsnet::Precision::kFloat32;
   const int64_t B = 100, side = state.range(2);
   torch::manual_seed(0);
@@ -228,16 +229,13 @@ void Stages(benchmark::State& state) {
 // One stage of the paper's CapsNet inference at batch 100, 28x28, without autograd, as `capsnet bench`'s
 // "infer" column and `capsnet eval` run it (CapsNet::forward: every layer's inference caches kept between
 // calls, the decoder reconstructing the predicted class). args: {stage, bf16 (0/1)}; stages as Stages'
-// minus Adam: Conv1 (blocked oneDNN), PrimaryCaps (ReLU fused; spectral from batch 32 with the kept weight
+// minus Adam: Conv1 (one product per image from batch 32), PrimaryCaps (ReLU fused; spectral from batch 32 with the kept weight
 // spectrum), DigitCaps (predictions + 3 routing iterations, fp32), decoder, the whole forward. Counter
 // GFLOP/s: nominal forward FLOPs (apps::forward_flops) per second.
 void InferStages(benchmark::State& state) {
   const auto stage = static_cast<Stage>(state.range(0));
   const bool bf16 = state.range(1);
-  if (bf16 && !capsnet::cpu_has_native_bf16()) {
-    state.SkipWithError("this CPU has no native bf16");
-    return;
-  }
+  if (skipped_without_bf16(state, bf16)) return;
   const auto precision = bf16 ? capsnet::Precision::kBFloat16 : capsnet::Precision::kFloat32;
   const int64_t B = 100;
   torch::manual_seed(0);
@@ -296,10 +294,7 @@ void InferStages(benchmark::State& state) {
 // compared with the machine's in the same run. args: {bf16 (0/1)}.
 void GemmProbe(benchmark::State& state) {
   const bool bf16 = state.range(0);
-  if (bf16 && !capsnet::cpu_has_native_bf16()) {
-    state.SkipWithError("this CPU has no native bf16");
-    return;
-  }
+  if (skipped_without_bf16(state, bf16)) return;
   double gflops = 0;
   for (auto _ : state) gflops = capsnet::apps::gemm_gflops(bf16 ? torch::kBFloat16 : torch::kFloat);
   state.counters["GFLOP/s"] = gflops;
