@@ -206,11 +206,11 @@ KernelSpectrum transposed_kernel_spectrum(const torch::Tensor& w, torch::ScalarT
   return KernelSpectrum(wt.copy_(w.transpose(0, 1)), n);
 }
 
-// The frequency columns k1 in [k_begin, k_begin + count) of a whole spectrum [2, n0 K, P, Q], as a view
-// [2, n0, count, P, Q] (not copied).
+// The frequency columns k1 in [k_begin, k_begin + count) of a whole spectrum [parts, n0 K, P, Q] (parts: 2, or
+// 3 for a kept weight spectrum with its real minus imaginary part), as a view [parts, n0, count, P, Q] (not copied).
 torch::Tensor spectrum_columns(const torch::Tensor& spec, int64_t n0, int64_t k_begin, int64_t count) {
   const int64_t K = spec.size(1) / n0;
-  return spec.view({2, n0, K, spec.size(2), spec.size(3)}).narrow(2, k_begin, count);
+  return spec.view({spec.size(0), n0, K, spec.size(2), spec.size(3)}).narrow(2, k_begin, count);
 }
 
 // A chunk's spectrum [2, n0 c, P, Q] as [2, n0, c, P, Q], the products' form.
@@ -290,8 +290,9 @@ const auto as_is = [](const torch::Tensor& t) { return t; };
 const auto transposed = [](const torch::Tensor& t) { return t.transpose(-2, -1); };
 
 // ys = the forward's products. xs: [2, n0, c, B, C]; wts: the spectrum of w's transpose (W^T per frequency,
-// conjugated by the formulas), [2, n0, c, C, O]: sgemm ran [100, 256] x [256, 256] 1.28x slower with the right operand
-// transposed (measured); ys: [2, n0, c, B, O]. *_scratch: the operand is the caller's to overwrite.
+// conjugated by the formulas), [2, n0, c, C, O], or [3, ...] with Wr - Wi made once (a kept bf16 spectrum): sgemm
+// ran [100, 256] x [256, 256] 1.28x slower with the right operand transposed (measured); ys: [2, n0, c, B, O].
+// *_scratch: the operand is the caller's to overwrite.
 void forward_products(torch::Tensor& ys, const torch::Tensor& xs, bool xs_scratch, const torch::Tensor& wts,
                       bool wts_scratch) {
   auto yr = ys[0], yi = ys[1];
@@ -299,7 +300,8 @@ void forward_products(torch::Tensor& ys, const torch::Tensor& xs, bool xs_scratc
   products_into(yi, xs[1], wts[1], as_is, as_is, 1.0, 0.0);                         // T2
   yr.add_(yi);                                                                       // T1 + T2
   yi.mul_(2).sub_(yr);                                                               // T2 - T1
-  const auto xsum = combined_parts(xs, +1, xs_scratch), wdiff = combined_parts(wts, -1, wts_scratch);
+  const auto xsum = combined_parts(xs, +1, xs_scratch);
+  const auto wdiff = wts.size(0) == 3 ? wts[2] : combined_parts(wts, -1, wts_scratch);
   products_into(yi, xsum, wdiff, as_is, as_is, 1.0, 1.0);                           // + T3
 }
 
@@ -663,7 +665,11 @@ torch::Tensor conv2d_spectral_weight_spectrum(const torch::Tensor& w, std::array
   // A stand-in input of the right shape and dtype checks the geometry as conv2d_spectral would.
   const auto probe = torch::empty({0, w.size(1), input_size[0], input_size[1]}, w.options().dtype(dtype));
   const auto g = spectral_geometry(probe, w, stride);
-  return transposed_kernel_spectrum(w, dtype, g.circle).columns(0, half_size(g.circle[1]));  // [2, n0 K, C, O]
+  auto spec = transposed_kernel_spectrum(w, dtype, g.circle).columns(0, half_size(g.circle[1]));  // [2, n0 K, C, O]
+  if (dtype != torch::kBFloat16) return spec;
+  // bf16: the forward's third Gauss operand Wr - Wi kept too, in the bf16 the per-call subtraction rounds to
+  // (PrimaryCaps: 25 MB more kept, 1.8 ms less per call at batch 100 on a 2-core Zen 5; docs/kernels.md).
+  return torch::cat({spec, (spec[0] - spec[1]).unsqueeze(0)});  // [3, n0 K, C, O]
 }
 
 torch::Tensor conv2d_spectral_inference(torch::Tensor x, const torch::Tensor& w_spectrum,
@@ -671,14 +677,22 @@ torch::Tensor conv2d_spectral_inference(torch::Tensor x, const torch::Tensor& w_
                                         std::array<int64_t, 2> stride, int64_t chunk_bytes, bool relu_input) {
   TORCH_CHECK(!torch::GradMode::is_enabled() || !x.requires_grad(),
               "conv2d_spectral_inference: no gradients through a kept weight spectrum; use conv2d_spectral");
-  TORCH_CHECK(x.dim() == 4 && x.device().is_cpu() && w_spectrum.dim() == 4 && w_spectrum.size(0) == 2 &&
+  TORCH_CHECK(x.dim() == 4 && x.device().is_cpu() && w_spectrum.dim() == 4 &&
+                  (w_spectrum.size(0) == 2 || w_spectrum.size(0) == 3) &&
                   w_spectrum.size(2) == x.size(1) && x.scalar_type() == w_spectrum.scalar_type(),
-              "conv2d_spectral_inference: x [N, C, H, W] and a weight spectrum [2, F, C, O] of x's dtype, got ",
+              "conv2d_spectral_inference: x [N, C, H, W] and a weight spectrum [2 or 3, F, C, O] of x's dtype, got ",
               x.sizes(), " ", x.scalar_type(), " and ", w_spectrum.sizes(), " ", w_spectrum.scalar_type());
   TORCH_CHECK(stride[0] >= 1 && stride[1] >= 1 && kernel[0] >= 1 && kernel[1] >= 1 && x.size(2) >= kernel[0] &&
                   x.size(3) >= kernel[1],
               "conv2d_spectral_inference: stride and kernel must be positive and the kernel no larger than the input");
   x = x.contiguous();
+  // An x that nothing else holds (moved in, as conv2d_at does with Conv1's output) takes the ReLU in place: one
+  // contiguous pass, 4x cheaper than a strided one per row inside the last-axis stage (bf16 at batch 100 on a
+  // 2-core Zen 5: ~0.8 against ~3 ms); anyone else's x is left as it is.
+  if (relu_input && x.use_count() == 1 && x.storage().use_count() == 1) {
+    x.relu_();
+    relu_input = false;
+  }
   const auto g = geometry_for({x.size(2), x.size(3)}, kernel, stride);
   const int64_t C = x.size(1), O = w_spectrum.size(3), n0 = g.circle[0];
   TORCH_CHECK(w_spectrum.size(1) == n0 * half_size(g.circle[1]),

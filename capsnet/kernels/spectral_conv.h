@@ -65,15 +65,17 @@ torch::Tensor conv2d_spectral_relu(const torch::Tensor& z, const torch::Tensor& 
 /// w^T's spectrum as conv2d_spectral's forward multiplies with it, all frequencies at once, for callers that
 /// keep it across inference calls while w is unchanged (kernels::BlockedConvWeights): it saves making it per
 /// call (~12 ms fp32, ~8 ms bf16 for PrimaryCaps) at the cost of holding it (PrimaryCaps: 100 MB fp32, 50 MB
-/// bf16). w: [O, C, K0, K1] (float32, or float64 with dtype float64); dtype: the input's (float32, float64,
-/// bfloat16); input_size: H, W. Returns [2, n0 (n1 / 2 + 1), C, O] in dtype.
+/// bf16 + 25 MB, below). w: [O, C, K0, K1] (float32, or float64 with dtype float64); dtype: the input's (float32,
+/// float64, bfloat16); input_size: H, W. Returns [2 (real, imaginary), n0 (n1 / 2 + 1), C, O] in dtype; for
+/// bfloat16 [3, ...], the third part real minus imaginary (the forward's third Gauss operand, made once).
 torch::Tensor conv2d_spectral_weight_spectrum(const torch::Tensor& w, std::array<int64_t, 2> input_size,
                                               std::array<int64_t, 2> stride, torch::ScalarType dtype);
 
 /// conv2d_spectral's forward with a kept weight spectrum (above), without autograd: x [N, C, H, W] in the
 /// spectrum's dtype, b: [O] (fp32 / fp64) or undefined, kernel: K0, K1. Returns y: [N, O, P, Q] in x's dtype.
 /// x by value: a moved-in x goes once its last-axis stage is made, before the products. relu_input: convolve
-/// relu(x), the ReLU applied a row at a time inside that stage (no pass over the whole of x).
+/// relu(x): in place where nothing else holds x (use_count 1, its storage's too), else a row at a time inside
+/// that stage (no copy of the whole of x); the caller's x is never changed.
 torch::Tensor conv2d_spectral_inference(torch::Tensor x, const torch::Tensor& w_spectrum, const torch::Tensor& b,
                                         std::array<int64_t, 2> kernel, std::array<int64_t, 2> stride,
                                         int64_t chunk_bytes = kSpectralChunkBytes, bool relu_input = false);

@@ -8,6 +8,7 @@
 #include "capsnet/kernels/batch_swapped_conv.h"
 #include "capsnet/kernels/conv_dispatch.h"
 #include "gradcheck.h"
+#include "precisions.h"
 
 namespace capsnet {
 namespace {
@@ -206,9 +207,7 @@ TEST(PhaseInputGrad, Conv2dAtTakesItInBothPrecisions) {
   torch::nn::Conv2d conv(torch::nn::Conv2dOptions(channels, 16, 5).stride(2));
   const Conv2dGeometry g{{2, 2}, {0, 0}, {1, 1}};
   const auto dy = torch::randn({4, 16, 6, 6});
-  std::vector<Precision> precisions{Precision::kFloat32};
-  if (cpu_has_native_bf16()) precisions.push_back(Precision::kBFloat16);
-  for (const auto precision : precisions) {
+  for (const auto precision : testing::cpu_precisions()) {
     const auto dtype = compute_dtype(precision);
     auto x = torch::rand({4, channels, 15, 15}).requires_grad_();
     kernels::conv2d_at(conv, x, precision).backward(dy.to(dtype));

@@ -9,6 +9,7 @@
 #include "capsnet/kernels/blocked_conv.h"
 #include "capsnet/kernels/conv_dispatch.h"
 #include "test_helpers.h"
+#include "precisions.h"
 
 namespace capsnet {
 namespace {
@@ -19,17 +20,11 @@ double max_rel(const torch::Tensor& a, const torch::Tensor& b) {
       .item<double>();
 }
 
-std::vector<Precision> precisions() {
-  std::vector<Precision> p{Precision::kFloat32};
-  if (cpu_has_native_bf16()) p.push_back(Precision::kBFloat16);
-  return p;
-}
-
 TEST(BlockedConv, MatchesThePlainConvolutionInEveryPrecision) {
   torch::manual_seed(1);
   torch::nn::Conv2d conv(torch::nn::Conv2dOptions(6, 10, 5).stride(2).dilation(1));
   const auto x = torch::rand({3, 6, 17, 15});
-  for (const auto precision : precisions()) {
+  for (const auto precision : testing::cpu_precisions()) {
     kernels::BlockedConvWeights blocked;
     torch::NoGradGuard no_grad;
     const auto plain = kernels::conv2d_at(conv, x, precision);
@@ -155,7 +150,7 @@ TEST(BlockedConv, CapsNetInferenceEqualsItsTrainingModeForward) {
   torch::manual_seed(3);
   models::CapsNet model(testing::tiny_config());
   const auto images = torch::rand({5, 1, 12, 12});
-  for (const auto precision : precisions()) {
+  for (const auto precision : testing::cpu_precisions()) {
     model->set_precision(precision);
     const auto reference = model(images);  // autograd on: the plain path
     torch::NoGradGuard no_grad;

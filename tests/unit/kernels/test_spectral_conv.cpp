@@ -18,6 +18,7 @@
 #include "capsnet/kernels/conv_dispatch.h"
 #include "capsnet/kernels/spectral_conv.h"
 #include "gradcheck.h"
+#include "precisions.h"
 
 namespace capsnet {
 namespace {
@@ -298,9 +299,7 @@ TEST(SpectralConv, InferenceTakesItFromTheMinimumBatch) {
   torch::nn::Conv2d conv(torch::nn::Conv2dOptions(32, 8, 9).stride(2));
   ASSERT_TRUE(kernels::use_spectral_conv(conv->options, 20, 20));
   torch::NoGradGuard no_grad;
-  std::vector<Precision> precisions{Precision::kFloat32};
-  if (cpu_has_native_bf16()) precisions.push_back(Precision::kBFloat16);
-  for (const auto precision : precisions) {
+  for (const auto precision : testing::cpu_precisions()) {
     const auto dtype = compute_dtype(precision);
     for (const int64_t n : {kernels::kSpectralInferenceMinBatch - 1, kernels::kSpectralInferenceMinBatch}) {
       const auto x = torch::rand({n, 32, 20, 20});
@@ -327,9 +326,7 @@ TEST(SpectralConv, InferenceTakesItFromTheMinimumBatch) {
 TEST(SpectralConv, InferenceFromAKeptSpectrumEqualsTheForward) {
   torch::manual_seed(13);
   torch::NoGradGuard no_grad;
-  std::vector<torch::ScalarType> dtypes{torch::kDouble, torch::kFloat};
-  if (cpu_has_native_bf16()) dtypes.push_back(torch::kBFloat16);
-  for (const auto dtype : dtypes) {
+  for (const auto dtype : testing::with_native_bf16({torch::kDouble, torch::kFloat})) {
     const auto master = dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
     for (const auto& t : cases()) {
       const auto x = torch::randn({t.n, t.c, t.h, t.w}, master).to(dtype);
@@ -337,6 +334,15 @@ TEST(SpectralConv, InferenceFromAKeptSpectrumEqualsTheForward) {
       const auto spectrum = kernels::conv2d_spectral_weight_spectrum(w, {t.h, t.w}, {t.s0, t.s1}, dtype);
       const auto y = kernels::conv2d_spectral_inference(x, spectrum, b, {t.k0, t.k1}, {t.s0, t.s1});
       ASSERT_EQ(y.scalar_type(), dtype) << name(t);
+      // bf16 keeps the third Gauss operand (real minus imaginary, as the per-call subtraction rounds it): the
+      // forward from it equals the one that makes it per chunk from the two parts, bit for bit.
+      ASSERT_EQ(spectrum.size(0), dtype == torch::kBFloat16 ? 3 : 2) << name(t);
+      if (dtype == torch::kBFloat16) {
+        EXPECT_TRUE(torch::equal(spectrum[2], spectrum[0] - spectrum[1])) << name(t);
+        EXPECT_TRUE(torch::equal(y, kernels::conv2d_spectral_inference(x, spectrum.narrow(0, 0, 2), b, {t.k0, t.k1},
+                                                                      {t.s0, t.s1})))
+            << name(t);
+      }
       const auto forward = kernels::conv2d_spectral(x, w, b, {t.s0, t.s1});
       const auto ref = at::conv2d(x.to(torch::kDouble), w.to(dtype).to(torch::kDouble), b.to(torch::kDouble),
                                   {t.s0, t.s1});
@@ -353,6 +359,27 @@ TEST(SpectralConv, InferenceFromAKeptSpectrumEqualsTheForward) {
                                                                         {t.s0, t.s1})))
           << name(t);
       EXPECT_FALSE(torch::equal(fused, y)) << name(t);
+      // An x that nothing else holds takes the ReLU in place: the same output; one that a view still holds, or
+      // whose storage another tensor shares, is left as it was.
+      auto owned = x.clone();
+      EXPECT_TRUE(torch::equal(fused, kernels::conv2d_spectral_inference(std::move(owned), spectrum, b, {t.k0, t.k1},
+                                                                        {t.s0, t.s1}, kernels::kSpectralChunkBytes,
+                                                                        /*relu_input=*/true)))
+          << name(t);
+      auto shared = x.clone();
+      const auto view = shared.view(-1);
+      EXPECT_TRUE(torch::equal(fused, kernels::conv2d_spectral_inference(std::move(shared), spectrum, b,
+                                                                        {t.k0, t.k1}, {t.s0, t.s1},
+                                                                        kernels::kSpectralChunkBytes, true)))
+          << name(t);
+      EXPECT_TRUE(torch::equal(view, x.reshape(-1))) << name(t);
+      auto aliased = x.clone();
+      auto alias = torch::empty({0}, x.options()).set_(aliased.storage(), 0, aliased.sizes(), aliased.strides());
+      EXPECT_TRUE(torch::equal(fused, kernels::conv2d_spectral_inference(std::move(aliased), spectrum, b,
+                                                                        {t.k0, t.k1}, {t.s0, t.s1},
+                                                                        kernels::kSpectralChunkBytes, true)))
+          << name(t);
+      EXPECT_TRUE(torch::equal(alias, x)) << name(t);
     }
   }
 }
@@ -378,6 +405,9 @@ TEST(SpectralConv, InferenceRefusesAMismatchedSpectrum) {
                c10::Error);  // made for another input size
   EXPECT_THROW(kernels::conv2d_spectral_inference(torch::randn({2, 4, 13, 13}), spectrum, {}, {5, 5}, {2, 2}),
                c10::Error);  // channels
+  EXPECT_THROW(kernels::conv2d_spectral_inference(torch::randn({2, 3, 13, 13}), spectrum.narrow(0, 0, 1), {}, {5, 5},
+                                                  {2, 2}),
+               c10::Error);  // one part
   EXPECT_THROW(kernels::conv2d_spectral_inference(torch::randn({2, 3, 13, 13}, torch::kDouble), spectrum, {}, {5, 5},
                                              {2, 2}),
                c10::Error);  // dtype

@@ -10,6 +10,7 @@
 #include "capsnet/kernels/precision.h"
 #include "capsnet/kernels/unfolded_conv.h"
 #include "gradcheck.h"
+#include "precisions.h"
 
 namespace capsnet {
 namespace {
@@ -88,9 +89,7 @@ TEST(UnfoldedConv, PassesGradcheck) {
 // gradients summed in fp32 from bf16 dy; dw and db come back in fp32. Bounds about 3x the largest errors seen.
 TEST(UnfoldedConv, Float32AndBf16StayWithinTheirRoundingOfFloat64) {
   torch::manual_seed(4);
-  std::vector<torch::ScalarType> dtypes{torch::kFloat};
-  if (cpu_has_native_bf16()) dtypes.push_back(torch::kBFloat16);
-  for (const auto dtype : dtypes) {
+  for (const auto dtype : testing::with_native_bf16({torch::kFloat})) {
     for (const auto& t :
          std::vector<Case>{{8, 1, 256, 28, 28, 9, 9, 1, 1, 0, 0}, {4, 1, 64, 12, 12, 5, 5, 1, 1, 2, 2}}) {
       const auto x = torch::rand({t.n, t.c, t.h, t.w}).to(dtype).requires_grad_();
@@ -163,9 +162,7 @@ TEST(UnfoldedConv, Conv2dAtInfersOnItFromTheMinimumBatch) {
   torch::manual_seed(6);
   torch::nn::Conv2d conv(torch::nn::Conv2dOptions(1, 16, 5).padding(2));  // the baseline CNN's conv1, narrower
   torch::NoGradGuard no_grad;
-  std::vector<Precision> precisions{Precision::kFloat32};
-  if (cpu_has_native_bf16()) precisions.push_back(Precision::kBFloat16);
-  for (const auto precision : precisions) {
+  for (const auto precision : testing::cpu_precisions()) {
     const auto dtype = compute_dtype(precision);
     for (const int64_t n : {kernels::kSpectralInferenceMinBatch - 1, kernels::kSpectralInferenceMinBatch}) {
       for (const bool relu : {false, true}) {
