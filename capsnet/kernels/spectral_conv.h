@@ -64,8 +64,8 @@ torch::Tensor conv2d_spectral_relu(const torch::Tensor& z, const torch::Tensor& 
 
 /// w^T's spectrum as conv2d_spectral's forward multiplies with it, all frequencies at once, for callers that
 /// keep it across inference calls while w is unchanged (kernels::BlockedConvWeights): it saves making it per
-/// call (~12 ms fp32, ~8 ms bf16 for PrimaryCaps) at the cost of holding it (PrimaryCaps: 100 MB fp32, 50 MB
-/// bf16 + 25 MB, below). w: [O, C, K0, K1] (float32, or float64 with dtype float64); dtype: the input's (float32,
+/// call (~12 ms fp32, ~8 ms bf16 for PrimaryCaps) at the cost of holding it (PrimaryCaps: 100 MB fp32, 75 MB
+/// bf16 with its third part). w: [O, C, K0, K1] (float32, or float64 with dtype float64); dtype: the input's (float32,
 /// float64, bfloat16); input_size: H, W. Returns [2 (real, imaginary), n0 (n1 / 2 + 1), C, O] in dtype; for
 /// bfloat16 [3, ...], the third part real minus imaginary (the forward's third Gauss operand, made once).
 torch::Tensor conv2d_spectral_weight_spectrum(const torch::Tensor& w, std::array<int64_t, 2> input_size,
