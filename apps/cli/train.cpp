@@ -108,6 +108,9 @@ void add_train_flags(CLI::App& app, TrainFlags& f) {
   app.add_option("--max-shift", f.o.max_shift, "Random shift augmentation, pixels")
       ->check(CLI::Range(0, 27))
       ->capture_default_str();
+  app.add_flag("--hflip", f.o.hflip,
+               "Mirror each training image left-right with probability 1/2 (for mirror-symmetric classes such as "
+               "Fashion-MNIST's; not for digits)");
   app.add_option("--seed", f.o.loop.seed, "Random seed (init, data order, shifts)")->capture_default_str();
   app.add_option("--train-limit", f.train_limit, "Use only the first N training images (0 = all)")
       ->check(CLI::NonNegativeNumber);

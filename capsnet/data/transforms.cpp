@@ -43,4 +43,12 @@ torch::Tensor random_shift(const torch::Tensor& images, int64_t max_shift, at::G
   return shift(images, dx, dy);
 }
 
+torch::Tensor random_hflip(const torch::Tensor& images, at::Generator& gen) {
+  TORCH_CHECK(images.dim() == 4, "random_hflip: images must be [B, C, H, W], got ", images.sizes());
+  const int64_t B = images.size(0);
+  // Drawn on the CPU generator whatever the images' device, as random_shift's shifts.
+  const auto mirrored = torch::randint(0, 2, {B}, gen, torch::kLong).to(images.device()).eq(1).view({B, 1, 1, 1});
+  return torch::where(mirrored, images.flip({3}), images);
+}
+
 }  // namespace capsnet::data

@@ -142,9 +142,10 @@ ClassifierEvaluator loss_evaluator(const data::ImageSet& set, const std::string&
   };
 }
 
-LabelledBatchSource shifted_batches(const data::ImageSet& set, int64_t max_shift) {
-  return [&set, max_shift](const torch::Tensor& ids, at::Generator& gen) {
+LabelledBatchSource shifted_batches(const data::ImageSet& set, int64_t max_shift, bool hflip) {
+  return [&set, max_shift, hflip](const torch::Tensor& ids, at::Generator& gen) {
     auto images = data::random_shift(data::to_float(set.images.index_select(0, ids)), max_shift, gen);
+    if (hflip) images = data::random_hflip(images, gen);
     return std::make_pair(images, set.labels.index_select(0, ids));  // [B, C, S, S], [B]
   };
 }

@@ -57,8 +57,10 @@ Classifier cnn_classifier(const std::string& name, const models::BaselineCnnConf
 using LabelledBatchSource =
     std::function<std::pair<torch::Tensor, torch::Tensor>(const torch::Tensor& ids, at::Generator& gen)>;
 
-/// The rows `ids` of a uint8 image set, each shifted by up to `max_shift` pixels (data::random_shift).
-LabelledBatchSource shifted_batches(const data::ImageSet& set, int64_t max_shift);
+/// The rows `ids` of a uint8 image set, each shifted by up to `max_shift` pixels (data::random_shift), then
+/// with `hflip` mirrored left-right with probability 1/2 (data::random_hflip; its draws follow the shifts', so
+/// without it the batches are those of a run that predates it).
+LabelledBatchSource shifted_batches(const data::ImageSet& set, int64_t max_shift, bool hflip = false);
 
 /// A held-out evaluation of the classifier being trained (e.g. accuracy on a fixed test set), run by
 /// the loop at epoch ends; its record's "accuracy" is what LoopOptions::target_accuracy checks.

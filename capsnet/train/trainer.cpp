@@ -23,6 +23,7 @@ void TrainOptions::validate() const {
 nlohmann::json TrainOptions::to_json() const {
   auto j = loop.to_json();
   j["max_shift"] = max_shift;
+  j["hflip"] = hflip;
   return j;
 }
 
@@ -47,6 +48,8 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
   // The paper's MNIST experiment (and any labelled image set): CapsNet on randomly shifted images.
   nlohmann::json data_config = {{"max_shift", options.max_shift}, {"train_examples", fit.size()}};
   if (options.validation_size > 0) data_config["validation_size"] = val.size();  // only then: older runs resume
+  // Always: a resume compares the keys both runs have, so a checkpoint from before --hflip resumes.
+  data_config["hflip"] = options.hflip;
   // Only when present, so the resume check of a run that predates them still matches.
   if (!fit.class_names.empty()) data_config["classes"] = fit.class_names;
   for (const auto& [key, value] : options.data_info.items()) data_config[key] = value;
@@ -56,7 +59,7 @@ TrainResult train(const TrainOptions& options, const data::ImageSet& train_set, 
       [&options](Precision precision) {
         return capsnet_classifier("CapsNet", options.model, precision, options.fused_routing);
       },
-      fit.size(), /*shuffle=*/true, shifted_batches(fit, options.max_shift), std::move(data_config),
+      fit.size(), /*shuffle=*/true, shifted_batches(fit, options.max_shift, options.hflip), std::move(data_config),
       test_set ? loss_evaluator(*test_set, "test", options.eval_batch_size, &last_test) : ClassifierEvaluator{});
   if (options.validation_size > 0)
     task.set_validation(loss_evaluator(val, "val", options.eval_batch_size, &last_validation));

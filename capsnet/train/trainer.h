@@ -31,6 +31,7 @@ struct TrainOptions {
   /// every epoch end beside the test set; the best epoch's checkpoint is kept as best.pt (loop.h).
   int64_t validation_size = 0;
   int64_t max_shift = 2;      // random translation, pixels in each direction
+  bool hflip = false;         // mirror each training image left-right with probability 1/2 (not for digits)
   // The epoch-end evaluation's batch: the training batch's size, so that it fits in the pages the training
   // steps use (at 250 it set the run's peak: capsnet train fp32 966 -> 673 MB, bf16 690 -> 544; the same time).
   int64_t eval_batch_size = 100;
@@ -41,7 +42,7 @@ struct TrainOptions {
 
   /// Throws std::invalid_argument naming the first bad option.
   void validate() const;
-  /// loop.to_json() and max_shift.
+  /// loop.to_json(), max_shift and hflip.
   nlohmann::json to_json() const;
 };
 

@@ -2,11 +2,13 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <set>
 #include <utility>
 
 #include "capsnet/data/transforms.h"
 
+using capsnet::data::random_hflip;
 using capsnet::data::random_shift;
 using capsnet::data::shift;
 using capsnet::data::to_float;
@@ -158,4 +160,26 @@ TEST(TransformsTest, RandomShiftZeroIsIdentity) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
   EXPECT_TRUE(random_shift(images, 0, gen).is_same(images));
   EXPECT_THROW(random_shift(images, -1, gen), c10::Error);
+}
+
+// random_hflip: each image is itself or exactly its mirror image, about half of them mirrored, the same draws
+// for the same seed; a non-4-D input is refused.
+TEST(TransformsTest, RandomHflipMirrorsAboutHalfTheImagesReproducibly) {
+  const int64_t B = 2000;
+  const auto images = torch::rand({B, 2, 3, 5});  // asymmetric: no image equals its mirror
+  auto g1 = at::make_generator<at::CPUGeneratorImpl>(11);
+  auto g2 = at::make_generator<at::CPUGeneratorImpl>(11);
+  const auto out = random_hflip(images, g1);
+  ASSERT_EQ(out.sizes(), images.sizes());
+  EXPECT_TRUE(torch::equal(out, random_hflip(images, g2)));
+  const auto mirror = images.flip({3});
+  int64_t mirrored = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const bool same = torch::equal(out[b], images[b]), flipped = torch::equal(out[b], mirror[b]);
+    ASSERT_NE(same, flipped) << "b=" << b;
+    mirrored += flipped;
+  }
+  EXPECT_NEAR(mirrored, B / 2, 4 * std::sqrt(B / 4.0));  // binomial(2000, 1/2): sd 22.4
+  EXPECT_TRUE(torch::equal(mirror[0].flip({2}), images[0]));
+  EXPECT_THROW(random_hflip(torch::rand({3, 4, 4}), g1), c10::Error);
 }

@@ -1,5 +1,6 @@
 // The one classification Task (capsnet/train/classifier_task.h): its classifiers' losses and evaluations
 // against the models' own, the loop's records of its evaluators, and its name and config check on resume.
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -59,6 +60,25 @@ TEST(ClassifierTask, TheCapsNetClassifierIsTheModelsLossPredictionAndEvaluation)
     EXPECT_EQ(r.examples, 24);
     EXPECT_DOUBLE_EQ(r.accuracy, lengths.argmax(1).eq(set.labels).to(torch::kFloat64).mean().item<double>());
     EXPECT_DOUBLE_EQ(train::classifier_accuracy(c, set, 7, nullptr, "test"), r.accuracy);
+  }
+}
+
+// shifted_batches: the rows asked for, shifted, then with hflip mirrored, the flips drawn after the shifts from
+// the same generator; without hflip nothing more is drawn (the batches of runs that predate it).
+TEST(ClassifierTask, ShiftedBatchesShiftThenMirrorFromTheStepsGenerator) {
+  const auto set = testing::synthetic_set(40, 12, 34);
+  const auto ids = torch::tensor({3, 17, 5, 30, 8, 22, 11, 0}, torch::kLong);
+  const auto rows = data::to_float(set.images.index_select(0, ids));
+  for (const int64_t max_shift : {0, 2}) {
+    auto g1 = at::make_generator<at::CPUGeneratorImpl>(21), g2 = at::make_generator<at::CPUGeneratorImpl>(21);
+    const auto [plain, labels] = train::shifted_batches(set, max_shift)(ids, g1);
+    EXPECT_TRUE(torch::equal(labels, set.labels.index_select(0, ids)));
+    EXPECT_TRUE(torch::equal(plain, data::random_shift(rows, max_shift, g2)));
+    auto g3 = at::make_generator<at::CPUGeneratorImpl>(21), g4 = at::make_generator<at::CPUGeneratorImpl>(21);
+    const auto mirrored = train::shifted_batches(set, max_shift, /*hflip=*/true)(ids, g3).first;
+    const auto shifted = data::random_shift(rows, max_shift, g4);
+    EXPECT_TRUE(torch::equal(mirrored, data::random_hflip(shifted, g4))) << max_shift;
+    EXPECT_FALSE(torch::equal(mirrored, shifted)) << max_shift;  // 8 images: some are mirrored
   }
 }
 

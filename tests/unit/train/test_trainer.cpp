@@ -281,6 +281,7 @@ TEST(TrainerTest, ResumeRejectsOptionsThatWouldChangeTheRun) {
   };
   refused("batch_size", [](train::TrainOptions& t) { t.loop.batch_size = 8; });
   refused("lr_decay_steps", [](train::TrainOptions& t) { t.loop.lr_decay_steps = 2000; });
+  refused("hflip", [](train::TrainOptions& t) { t.hflip = true; });
 }
 
 TEST(TrainerTest, InvalidOptionsAreRejectedByName) {
