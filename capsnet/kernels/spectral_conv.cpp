@@ -133,14 +133,19 @@ torch::Tensor last_axis_spectrum(const torch::Tensor& t, int64_t n, int64_t step
 
 // Along the first axis, for the frequency columns k1 in [k_begin, k_begin + count) only: one product
 // over the rows (r, part) of a (a row stride of K P Q), [2 n, 2 used] x [2 used, count P Q] ->
-// [2, n count, P, Q] (frequencies (k0, k1) in that order).
+// [2, n count, P, Q] (frequencies (k0, k1) in that order). bf16, some of the columns: the rows are copied
+// dense first, since oneDNN 2.6's fast bf16 matmul (brgemm) takes dense operands only and runs a strided
+// one on its generic kernel at half the rate (PrimaryCaps' chunk [38, 38] x [38, 25,600] on a 2-core Zen 5:
+// 0.40 ms strided, 0.16 dense; docs/kernels.md).
 torch::Tensor first_axis_spectrum(const torch::Tensor& a, int64_t n, int64_t step, int64_t k_begin, int64_t count,
                                   int64_t P, int64_t Q) {
   const int64_t used = a.size(0), K = a.size(1) / 2, PQ = P * Q;
   const auto m = complex_dft_matrix(n, step, used, a.options());  // m: [(part, k0), (r, part)]
   auto spec = torch::empty({2, n * count, P, Q}, a.options());
   auto spec2d = spec.view({2 * n, count * PQ});
-  gemm_into(spec2d, m, a.view({2 * used, K * PQ}).narrow(1, k_begin * PQ, count * PQ));
+  auto columns = a.view({2 * used, K * PQ}).narrow(1, k_begin * PQ, count * PQ);  // [(r, part), (k1, PQ)]
+  if (a.scalar_type() == torch::kBFloat16 && count < K) columns = columns.contiguous();
+  gemm_into(spec2d, m, columns);
   return spec;
 }
 
