@@ -36,6 +36,18 @@ def add_peer_args(ap):
     ap.add_argument("--seed", type=int, default=1)
 
 
+def allocator():
+    """"jemalloc" where this process has it mapped (`capsnet bench` preloads capsnet's into every peer),
+    else "glibc malloc"."""
+    try:
+        with open("/proc/self/maps") as f:
+            if any("/libjemalloc" in line for line in f):
+                return "jemalloc"
+    except OSError:
+        pass
+    return "glibc malloc"
+
+
 def reset_peak_rss():
     """Writing 5 to clear_refs resets VmHWM (Linux >= 4.0), so each phase gets its own peak."""
     try:
@@ -97,5 +109,5 @@ def measure_peer(train_step, model, predict, images, args, inference_ctx):
         "latency_b1_ms": 1000 * statistics.median(lat),
         "latency_b1_p90_ms": 1000 * sorted(lat)[math.ceil(0.9 * len(lat)) - 1],
         "train_peak_rss_mb": train_peak, "train_rss_growth_mb": train_peak - rss_before,
-        "steps": args.steps,
+        "steps": args.steps, "allocator": allocator(),
     }

@@ -1,7 +1,8 @@
 // capsnet bench: our CapsNet with the fused routing op, with composite (reference-style) routing, and two
 // plain-PyTorch peers (bench/peer_capsnet.py, naive; bench/peer_tuned.py, the fastest eager formulation we
-// know, fp32 and bf16 autocast), run side by side in one invocation, interleaved, each
-// measurement in a fresh process so peak memory is its own. Prints medians and ratios; JSON lines.
+// know, fp32 and bf16 autocast; bench/peer_spectral.py, our PrimaryCaps maths in Python), run side by side in
+// one invocation, interleaved, each measurement in a fresh process so peak memory is its own, every one on
+// capsnet's allocator (jemalloc with its options, preloaded into the peers). Prints medians and ratios; JSON lines.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <unistd.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -112,6 +114,37 @@ std::string self_exe() {
   return std::string(buf.data(), n);
 }
 
+}  // namespace
+}  // namespace capsnet::apps::cli
+
+// jemalloc's options as this executable compiled them in (apps/jemalloc_conf.cpp); a null address where it was
+// built without jemalloc.
+extern "C" {
+extern const char* malloc_conf __attribute__((weak));
+}
+
+namespace capsnet::apps::cli {
+namespace {
+
+// The allocator this process runs on, as environment settings for the Python peers, so that every
+// configuration runs on the same one: jemalloc preloaded with capsnet's options (and $MALLOC_CONF's, which
+// override them in both). Without it the naive peer page-faults its large temporaries back in every step
+// (2-core Zen 5 VM, 2026-12-01: 16 img/s training with glibc's malloc, 125 with jemalloc). Empty when this
+// executable has no jemalloc.
+std::string peer_allocator_env() {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    const auto path = line.find('/');
+    if (path == std::string::npos || line.find("/libjemalloc", path) == std::string::npos) continue;
+    std::string conf = &malloc_conf != nullptr && malloc_conf != nullptr ? malloc_conf : "";
+    if (const char* env = std::getenv("MALLOC_CONF"); env != nullptr && *env != '\0')
+      conf += (conf.empty() ? "" : ",") + std::string(env);
+    return "LD_PRELOAD=" + shell_quote(line.substr(path)) + " MALLOC_CONF=" + shell_quote(conf);
+  }
+  return "";
+}
+
 // Runs a command, passing its stderr through; returns its stdout. Throws when it fails.
 std::string run_capture(const std::string& command) {
   std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(command.c_str(), "r"), pclose);
@@ -141,13 +174,15 @@ std::string worker_command(const Flags& f, const std::string& config) {
   const std::string sizes = fmt::format(" --batch-size {} --steps {} --infer-batches {} --latency-runs {}",
                                         f.batch_size, f.steps, f.infer_batches, f.latency_runs);
   const std::string threads = fmt::format(" --threads {}", at::get_num_threads());
+  const std::string allocator = peer_allocator_env();
+  const std::string python = allocator + (allocator.empty() ? "" : " ") + shell_quote(f.python);
   if (config == "peer")
-    return shell_quote(f.python) + " " + shell_quote(f.peer_script) + sizes + threads +
+    return python + " " + shell_quote(f.peer_script) + sizes + threads +
            fmt::format(" --routing-iters {}", f.routing_iters);
   if (config.rfind("peer-tuned", 0) == 0 || config.rfind("peer-spectral", 0) == 0) {
     const bool bf16 = is_bf16_config(config);
     const auto& script = config.rfind("peer-tuned", 0) == 0 ? f.tuned_peer_script : f.spectral_peer_script;
-    return shell_quote(f.python) + " " + shell_quote(script) + sizes + threads +
+    return python + " " + shell_quote(script) + sizes + threads +
            fmt::format(" --routing-iters {} --precision {}", f.routing_iters, bf16 ? "bf16" : "fp32");
   }
   return shell_quote(self_exe()) + " bench --worker " + base_config(config) + sizes + threads +
@@ -277,6 +312,10 @@ int run_all(const Flags& f) {
   };
 
   std::map<std::string, std::map<std::string, std::vector<double>>> samples;  // config -> metric -> values
+  const std::string allocator = peer_allocator_env();
+  if (std::any_of(f.configs.begin(), f.configs.end(), is_peer))
+    std::cerr << "bench: the Python peers run on capsnet's allocator: "
+              << (allocator.empty() ? std::string("glibc malloc (this build has no jemalloc)") : allocator) << "\n";
   std::cerr << fmt::format("bench: batch {}, {} timed steps, {} threads, {} repeat(s) of [{}]\n", f.batch_size,
                            f.steps, at::get_num_threads(), f.repeats, fmt::join(f.configs, ", "));
   for (int rep = 1; rep <= f.repeats; ++rep)
@@ -297,6 +336,7 @@ int run_all(const Flags& f) {
                             {"repeats", f.repeats},
                             {"batch_size", f.batch_size},
                             {"threads", at::get_num_threads()},
+                            {"peer_allocator", allocator.empty() ? std::string("glibc malloc") : allocator},
                             {"gemm_gflops", {{"fp32", peak_fp32}, {"bf16", peak_bf16}}},
                             {"forward_gflop_per_image", flops_of("fused") / 1e9}};
   std::cout << fmt::format("\nmedians of {} run(s), batch {}, {} threads:\n", f.repeats, f.batch_size,

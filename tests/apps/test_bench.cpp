@@ -124,6 +124,15 @@ TEST(BenchCliTest, RunsFusedReferenceAndPeerSideBySideAndWritesJsonLines) {
     EXPECT_GT(lines[i].at("train_peak_rss_mb").get<double>(), 0);
   }
   EXPECT_EQ(configs, expected);
+  // Every peer runs on the allocator capsnet runs on: jemalloc with capsnet's options, preloaded, said in the
+  // output and the summary (glibc's malloc only where the CLI was built without jemalloc).
+  const auto allocator = lines.back().at("peer_allocator").get<std::string>();
+  EXPECT_NE(r.output.find("the Python peers run on capsnet's allocator: " + allocator), std::string::npos) << r.output;
+  const bool jemalloc = allocator.rfind("LD_PRELOAD=", 0) == 0;
+  if (jemalloc) EXPECT_NE(allocator.find("MALLOC_CONF='dirty_decay_ms:-1,oversize_threshold:0"), std::string::npos);
+  for (const auto& line : lines)
+    if (line.contains("config") && line.at("config").get<std::string>().rfind("peer", 0) == 0)
+      EXPECT_EQ(line.at("allocator").get<std::string>(), jemalloc ? "jemalloc" : "glibc malloc") << line.dump();
   if (cpu_has_native_bf16()) {
     EXPECT_NE(r.output.find("fused-bf16 vs fused: training"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("fused-bf16 vs peer-tuned-bf16: training"), std::string::npos) << r.output;
