@@ -130,19 +130,22 @@ namespace {
 // configuration runs on the same one: jemalloc preloaded with capsnet's options (and $MALLOC_CONF's, which
 // override them in both). Without it the naive peer page-faults its large temporaries back in every step
 // (2-core Zen 5 VM, 2026-12-01: 16 img/s training with glibc's malloc, 125 with jemalloc). Empty when this
-// executable has no jemalloc.
-std::string peer_allocator_env() {
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  while (std::getline(maps, line)) {
-    const auto path = line.find('/');
-    if (path == std::string::npos || line.find("/libjemalloc", path) == std::string::npos) continue;
-    std::string conf = &malloc_conf != nullptr && malloc_conf != nullptr ? malloc_conf : "";
-    if (const char* env = std::getenv("MALLOC_CONF"); env != nullptr && *env != '\0')
-      conf += (conf.empty() ? "" : ",") + std::string(env);
-    return "LD_PRELOAD=" + shell_quote(line.substr(path)) + " MALLOC_CONF=" + shell_quote(conf);
-  }
-  return "";
+// executable has no jemalloc. Read once: the process's mappings and environment do not change.
+const std::string& peer_allocator_env() {
+  static const std::string env = [] {
+    std::ifstream maps("/proc/self/maps");
+    std::string line;
+    while (std::getline(maps, line)) {
+      const auto path = line.find('/');
+      if (path == std::string::npos || line.find("/libjemalloc", path) == std::string::npos) continue;
+      std::string conf = &malloc_conf != nullptr && malloc_conf != nullptr ? malloc_conf : "";
+      if (const char* user = std::getenv("MALLOC_CONF"); user != nullptr && *user != '\0')
+        conf += (conf.empty() ? "" : ",") + std::string(user);
+      return "LD_PRELOAD=" + shell_quote(line.substr(path)) + " MALLOC_CONF=" + shell_quote(conf);
+    }
+    return std::string();
+  }();
+  return env;
 }
 
 // Runs a command, passing its stderr through; returns its stdout. Throws when it fails.
@@ -174,7 +177,7 @@ std::string worker_command(const Flags& f, const std::string& config) {
   const std::string sizes = fmt::format(" --batch-size {} --steps {} --infer-batches {} --latency-runs {}",
                                         f.batch_size, f.steps, f.infer_batches, f.latency_runs);
   const std::string threads = fmt::format(" --threads {}", at::get_num_threads());
-  const std::string allocator = peer_allocator_env();
+  const std::string& allocator = peer_allocator_env();
   const std::string python = allocator + (allocator.empty() ? "" : " ") + shell_quote(f.python);
   if (config == "peer")
     return python + " " + shell_quote(f.peer_script) + sizes + threads +
@@ -312,7 +315,7 @@ int run_all(const Flags& f) {
   };
 
   std::map<std::string, std::map<std::string, std::vector<double>>> samples;  // config -> metric -> values
-  const std::string allocator = peer_allocator_env();
+  const std::string& allocator = peer_allocator_env();
   if (std::any_of(f.configs.begin(), f.configs.end(), is_peer))
     std::cerr << "bench: the Python peers run on capsnet's allocator: "
               << (allocator.empty() ? std::string("glibc malloc (this build has no jemalloc)") : allocator) << "\n";
