@@ -32,11 +32,13 @@ namespace {
 using apps::median;
 
 struct Flags {
-  // fused-bf16 joins where the CPU computes bf16 natively (docs/kernels.md).
-  std::vector<std::string> configs = cpu_has_native_bf16()
-                                         ? std::vector<std::string>{"fused", "fused-bf16", "reference", "peer",
-                                                                    "peer-tuned", "peer-tuned-bf16"}
-                                         : std::vector<std::string>{"fused", "reference", "peer", "peer-tuned"};
+  // Every peer, the strongest (spectral) included; the bf16 configurations join where the CPU computes bf16
+  // natively (docs/kernels.md).
+  std::vector<std::string> configs =
+      cpu_has_native_bf16()
+          ? std::vector<std::string>{"fused", "fused-bf16", "reference", "peer", "peer-tuned", "peer-tuned-bf16",
+                                     "peer-spectral", "peer-spectral-bf16"}
+          : std::vector<std::string>{"fused", "reference", "peer", "peer-tuned", "peer-spectral"};
   int repeats = 3;
   int64_t batch_size = 100, steps = 10, infer_batches = 5, latency_runs = 30, routing_iters = 3;
   std::string python = "/usr/bin/python3";
@@ -411,7 +413,8 @@ Subcommand add_bench(CLI::App& root) {
   auto f = std::make_shared<Flags>();
   auto* app = root.add_subcommand(
       "bench", "Training/inference speed, batch-1 latency and peak memory: fused op vs composite routing vs the "
-               "plain-PyTorch peer, side by side (synthetic data; each run in its own process)");
+               "plain-PyTorch peers (as published, tuned, spectral), side by side (synthetic data; each run in its "
+               "own process)");
   app->add_option("--configs", f->configs,
                   "Which to run, comma-separated: fused, fused-bf16, reference, peer, peer-tuned, peer-tuned-bf16, "
                   "peer-spectral, peer-spectral-bf16; capsnet's configurations at another image side as NAME@SIDE, "
