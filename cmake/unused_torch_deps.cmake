@@ -33,7 +33,9 @@ if(CAPSNET_TORCH_CPU_LIBRARY)
   if(NOT nm_result EQUAL 0)
     set(needed_lines "")
   endif()
-  file(WRITE ${dir}/empty.cpp "// An empty library standing in for one LibTorch lists but never calls (cmake/unused_torch_deps.cmake).\n")
+  # Written only when its content changes (file(CONFIGURE)): a rewrite at every configure relinked every executable.
+  file(CONFIGURE OUTPUT ${dir}/empty.cpp
+       CONTENT "// An empty library standing in for one LibTorch lists but never calls (cmake/unused_torch_deps.cmake).\n")
   foreach(line IN LISTS needed_lines)
     string(REGEX REPLACE ".*\\[(.+)\\]" "\\1" soname "${line}")
     if(NOT soname MATCHES "^lib(opencv_[a-z0-9_]+|avcodec|avformat|avutil|swscale|swresample|zmq|leveldb|lmdb)\\.so\\.")
