@@ -106,15 +106,17 @@ TEST(BenchCliTest, RunsFusedReferenceAndPeerSideBySideAndWritesJsonLines) {
   EXPECT_NE(r.output.find("fused vs peer: training"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("fused vs reference: training"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("fused vs peer-tuned: training"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fused vs peer-spectral: training"), std::string::npos) << r.output;
 
   std::ifstream in(jsonl);
   std::vector<nlohmann::json> lines;
   for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
-  // fused-bf16 runs too where the CPU computes bf16 natively.
+  // Every peer by default, the spectral one included; the bf16 configurations too where the CPU computes bf16
+  // natively.
   const auto expected = cpu_has_native_bf16()
                             ? std::vector<std::string>{"fused", "fused-bf16", "reference", "peer", "peer-tuned",
-                                                       "peer-tuned-bf16"}
-                            : std::vector<std::string>{"fused", "reference", "peer", "peer-tuned"};
+                                                       "peer-tuned-bf16", "peer-spectral", "peer-spectral-bf16"}
+                            : std::vector<std::string>{"fused", "reference", "peer", "peer-tuned", "peer-spectral"};
   ASSERT_EQ(lines.size(), expected.size() + 1);  // one per configuration, then the summary
   std::vector<std::string> configs;
   for (size_t i = 0; i < expected.size(); ++i) {
@@ -136,6 +138,7 @@ TEST(BenchCliTest, RunsFusedReferenceAndPeerSideBySideAndWritesJsonLines) {
   if (cpu_has_native_bf16()) {
     EXPECT_NE(r.output.find("fused-bf16 vs fused: training"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("fused-bf16 vs peer-tuned-bf16: training"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("fused-bf16 vs peer-spectral-bf16: training"), std::string::npos) << r.output;
   }
   const auto& summary = lines.back();
   ASSERT_TRUE(summary.at("summary").get<bool>());
