@@ -31,14 +31,10 @@ namespace {
 
 using apps::median;
 
+std::vector<std::string> default_configs();
+
 struct Flags {
-  // Every peer, the strongest (spectral) included; the bf16 configurations join where the CPU computes bf16
-  // natively (docs/kernels.md).
-  std::vector<std::string> configs =
-      cpu_has_native_bf16()
-          ? std::vector<std::string>{"fused", "fused-bf16", "reference", "peer", "peer-tuned", "peer-tuned-bf16",
-                                     "peer-spectral", "peer-spectral-bf16"}
-          : std::vector<std::string>{"fused", "reference", "peer", "peer-tuned", "peer-spectral"};
+  std::vector<std::string> configs = default_configs();
   int repeats = 3;
   int64_t batch_size = 100, steps = 10, infer_batches = 5, latency_runs = 30, routing_iters = 3;
   std::string python = "/usr/bin/python3";
@@ -87,6 +83,15 @@ std::string describe_config(const std::string& config) {
 bool is_bf16_config(const std::string& config) {
   const auto base = base_config(config);
   return base.size() > 5 && base.compare(base.size() - 5, 5, "-bf16") == 0;
+}
+
+// Every configuration, the strongest peer (spectral) included; the bf16 ones only where the CPU computes bf16
+// natively (docs/kernels.md).
+std::vector<std::string> default_configs() {
+  std::vector<std::string> configs;
+  for (const auto& config : kConfigs)
+    if (cpu_has_native_bf16() || !is_bf16_config(config)) configs.push_back(config);
+  return configs;
 }
 
 // "" when `config` is a configuration bench can run, else why not.
