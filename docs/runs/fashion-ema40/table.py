@@ -3,9 +3,9 @@
 Reads sN.metrics.jsonl beside this file; prints per seed the validation-chosen epoch (best validation accuracy of
 the average, ties: lower validation loss, as best.pt) with its test accuracy, the last epoch's test accuracy (of
 the average and of the trained weights), the mean and spread over finished seeds, and every fifth epoch's
-validation / test.   Usage: table.py"""
+validation / test.   Usage: table.py [DIR]  (DIR: another lane's folder under docs/runs with sN.metrics.jsonl)"""
 import os, statistics, sys
-here = os.path.dirname(os.path.abspath(__file__))
+here = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(here))
 from epochs import epochs as read_epochs  # docs/runs/epochs.py: the validation rule
 rows, curves = [], {}
