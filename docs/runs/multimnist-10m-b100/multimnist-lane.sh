@@ -7,7 +7,7 @@
 # (docs/runs/multimnist-10m/batch-probe.log); the authors' code trains with batches of 128.
 # Two threads; resumes exactly from its checkpoint (every 500 steps = 50,000 pairs); spans sessions.
 # Usage: runs/mm10m-lane.sh NICE [capsnet|cnn]
-cd /work/main
+cd "$(dirname "$0")/.."  # the repository root wherever it is checked out (the script runs as runs/mm10m-lane.sh)
 n=$1; model=${2:-capsnet}
 out=runs/mm10m-b100-$model
 [ -f $out/done ] && exit 0
