@@ -9,6 +9,7 @@ symbolises it, and every stack is charged to its innermost `capsnet::` frame (to
 it runs under the loader's static initialisers).
 
     python3 bench/heap_profile.py [--config fused-bf16] [--capsnet build/bin/capsnet] [--keep DIR]
+    python3 bench/heap_profile.py -- build/bin/capsnet train --steps 30 ...   # any command: its live peak
 
 Live bytes only: the process's resident size is higher by the free pages jemalloc keeps and by code and
 library data (docs/kernels.md, Memory). Sampled every 256 KiB on average, so buffers under ~1 MB are
@@ -65,50 +66,59 @@ def main():
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--keep', help='keep the dumps in this folder')
     p.add_argument('--dumps', help="read the dumps a --keep run left in this folder instead of running the worker")
+    p.add_argument('command', nargs='*', help='after --: a capsnet command to profile instead of the bench worker '
+                   '(its live peak over the whole run)')
     a = p.parse_args()
     if shutil.which('jeprof') is None:
         sys.exit('heap_profile: jeprof not found (Debian package libjemalloc-dev)')
-    capsnet = os.path.abspath(a.capsnet)
+    capsnet = os.path.abspath(a.command[0] if a.command else a.capsnet)
     work = a.dumps or a.keep or tempfile.mkdtemp(prefix='capsnet-heap-')
     os.makedirs(work, exist_ok=True)
     env = dict(os.environ)
     env['MALLOC_CONF'] = ','.join(filter(None, [env.get('MALLOC_CONF', ''), 'prof:true', 'lg_prof_interval:26',
                                                 'lg_prof_sample:18', f'prof_prefix:{work}/jeprof']))
-    cmd = [capsnet, 'bench', '--worker', a.config, '--batch-size', str(a.batch_size), '--steps', str(a.steps),
+    cmd = [capsnet] + a.command[1:] if a.command else [capsnet, 'bench', '--worker', a.config, '--batch-size', str(a.batch_size), '--steps', str(a.steps),
            '--infer-batches', '1', '--latency-runs', '1', '--threads', str(a.threads), '--routing-iters', '3',
            '--image-size', str(a.image_size)]
     worker = subprocess.run(cmd, env=env, capture_output=True, text=True) if not a.dumps else None
     if worker is not None and worker.returncode != 0:
-        sys.exit(f'heap_profile: the worker failed ({worker.returncode}):\n{worker.stderr[-2000:]}')
+        sys.exit(f'heap_profile: {" ".join(cmd)} failed ({worker.returncode}):\n{worker.stderr[-2000:]}')
     dumps = [os.path.join(work, f) for f in os.listdir(work) if f.endswith('.heap')]
     if not dumps:
         sys.exit('heap_profile: no heap dumps: is this jemalloc built with --enable-prof?')
-    # The dumps in the order written; the first one holding the inference weight cache ends the training part.
+    # The dumps in the order written; for the bench worker, the first one holding the inference weight cache
+    # ends the training part.
     dumps.sort(key=lambda d: int(re.search(r'\.(\d+)\.i\d+\.heap$', d).group(1)))
     cache = {}
 
-    def holds_cache(i):
+    def stacks_of(i):
         if i not in cache:
             cache[i] = collapsed(capsnet, dumps[i])
-        return any('WeightCache::get' in f for frames, _ in cache[i] for f in frames)
+        return cache[i]
 
-    lo, hi = 0, len(dumps)  # binary search: holds_cache is false before the boundary, true from it on
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if holds_cache(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    if lo == 0:
-        sys.exit('heap_profile: the first dump already holds the inference cache')
+    def holds_cache(i):
+        return any('WeightCache::get' in f for frames, _ in stacks_of(i) for f in frames)
+
+    lo, hi = len(dumps), len(dumps)
+    if not a.command:  # binary search: holds_cache is false before the boundary, true from it on
+        lo, hi = 0, len(dumps)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if holds_cache(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo == 0:
+            sys.exit('heap_profile: the first dump already holds the inference cache')
     best = max(range(lo), key=lambda i: raw_live_bytes(dumps[i]))
-    peak = (dumps[best], cache.get(best) or collapsed(capsnet, dumps[best]))
+    peak = (dumps[best], stacks_of(best))
     by_owner = collections.Counter()
     for frames, n in peak[1]:
         by_owner[owner(frames)] += n
     total = sum(by_owner.values())
-    print(f'# live memory at the training peak of `capsnet bench --worker {a.config}` '
-          f'(batch {a.batch_size}, {a.image_size}x{a.image_size}); dump {os.path.basename(peak[0])} of {len(dumps)}')
+    what = ('`' + ' '.join(a.command) + '`' if a.command else
+            f'the training part of `capsnet bench --worker {a.config}` (batch {a.batch_size}, {a.image_size}x{a.image_size})')
+    print(f'# live memory at the peak of {what}; dump {os.path.basename(peak[0])} of {len(dumps)}')
     print(f'| allocated under | MB |\n|---|---:|')
     for name, n in by_owner.most_common():
         if n >= 0.5 * 2**20:
