@@ -58,10 +58,10 @@ def owner(frames):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--capsnet', default='build/bin/capsnet')
-    p.add_argument('--config', default='fused-bf16')
+    p.add_argument('--capsnet', default='build/bin/capsnet', help='the CLI whose bench worker runs')
+    p.add_argument('--config', default='fused-bf16', help="the worker's configuration (capsnet bench --configs)")
     p.add_argument('--batch-size', type=int, default=100)
-    p.add_argument('--steps', type=int, default=3)
+    p.add_argument('--steps', type=int, default=3, help='training steps (the peak is there from the second one)')
     p.add_argument('--image-size', type=int, default=28)
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--keep', help='keep the dumps in this folder')
