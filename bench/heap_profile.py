@@ -77,9 +77,12 @@ def main():
     env = dict(os.environ)
     env['MALLOC_CONF'] = ','.join(filter(None, [env.get('MALLOC_CONF', ''), 'prof:true', 'lg_prof_interval:26',
                                                 'lg_prof_sample:18', f'prof_prefix:{work}/jeprof']))
-    cmd = [capsnet] + a.command[1:] if a.command else [capsnet, 'bench', '--worker', a.config, '--batch-size', str(a.batch_size), '--steps', str(a.steps),
-           '--infer-batches', '1', '--latency-runs', '1', '--threads', str(a.threads), '--routing-iters', '3',
-           '--image-size', str(a.image_size)]
+    if a.command:
+        cmd = [capsnet] + a.command[1:]
+    else:
+        cmd = [capsnet, 'bench', '--worker', a.config, '--batch-size', str(a.batch_size), '--steps', str(a.steps),
+               '--infer-batches', '1', '--latency-runs', '1', '--threads', str(a.threads), '--routing-iters', '3',
+               '--image-size', str(a.image_size)]
     worker = subprocess.run(cmd, env=env, capture_output=True, text=True) if not a.dumps else None
     if worker is not None and worker.returncode != 0:
         sys.exit(f'heap_profile: {" ".join(cmd)} failed ({worker.returncode}):\n{worker.stderr[-2000:]}')
@@ -99,8 +102,7 @@ def main():
     def holds_cache(i):
         return any('WeightCache::get' in f for frames, _ in stacks_of(i) for f in frames)
 
-    lo, hi = len(dumps), len(dumps)
-    if not a.command:  # binary search: holds_cache is false before the boundary, true from it on
+    def training_end():  # binary search: holds_cache is false before the boundary, true from it on
         lo, hi = 0, len(dumps)
         while lo < hi:
             mid = (lo + hi) // 2
@@ -110,16 +112,18 @@ def main():
                 lo = mid + 1
         if lo == 0:
             sys.exit('heap_profile: the first dump already holds the inference cache')
-    best = max(range(lo), key=lambda i: raw_live_bytes(dumps[i]))
-    peak = (dumps[best], stacks_of(best))
+        return lo
+
+    end = len(dumps) if a.command else training_end()
+    best = max(range(end), key=lambda i: raw_live_bytes(dumps[i]))
     by_owner = collections.Counter()
-    for frames, n in peak[1]:
+    for frames, n in stacks_of(best):
         by_owner[owner(frames)] += n
     total = sum(by_owner.values())
     what = ('`' + ' '.join(a.command) + '`' if a.command else
             f'the training part of `capsnet bench --worker {a.config}` (batch {a.batch_size}, {a.image_size}x{a.image_size})')
-    print(f'# live memory at the peak of {what}; dump {os.path.basename(peak[0])} of {len(dumps)}')
-    print(f'| allocated under | MB |\n|---|---:|')
+    print(f'# live memory at the peak of {what}; dump {os.path.basename(dumps[best])} of {len(dumps)}')
+    print('| allocated under | MB |\n|---|---:|')
     for name, n in by_owner.most_common():
         if n >= 0.5 * 2**20:
             print(f'| `{name}` | {n / 2**20:.1f} |')
