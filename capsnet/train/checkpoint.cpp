@@ -16,6 +16,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <optional>
 
 #include "capsnet/train/export.h"
 #include "capsnet/train/parse_config.h"
@@ -25,7 +27,14 @@ namespace capsnet::train {
 namespace {
 
 constexpr const char* kFormat = "capsnet-checkpoint";
-constexpr int64_t kVersion = 2;  // 2: CRC-checked payload; 1 (no checksum) still loads
+// 3: one archive streamed to the file, followed by a trailer with its size and CRC-32;
+// 2: a CRC-checked payload archive inside an outer one; 1: no checksum. All three load.
+constexpr int64_t kVersion = 3;
+
+// Version 3's trailer, the file's last 20 bytes: magic, the archive's size (8 bytes) and CRC-32 (4 bytes),
+// little-endian. LibTorch's zip reader checks no record's CRC, so this is the file's only checksum.
+constexpr char kTrailerMagic[8] = {'c', 'a', 'p', 's', 'c', 'k', 'p', '3'};
+constexpr size_t kTrailerSize = 20;
 
 void fsync_path(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY);
@@ -35,42 +44,7 @@ void fsync_path(const std::string& path) {
   }
 }
 
-torch::serialize::InputArchive open_archive(const std::string& path) {
-  if (!std::filesystem::exists(path)) throw CheckpointError(fmt::format("checkpoint {}: no such file", path));
-  if (const auto why = data::unreadable_reason(path); !why.empty())
-    throw CheckpointError(fmt::format("checkpoint {}: cannot open: {}", path, why));
-  if (const auto why = zip_file_expansion_problem(path); !why.empty())
-    throw CheckpointError(fmt::format("checkpoint {}: corrupt or hostile: {}; refused before reading", path, why));
-  torch::serialize::InputArchive archive;
-  try {
-    archive.load_from(path);
-  } catch (const std::exception& e) {
-    throw CheckpointError(fmt::format("checkpoint {}: cannot be read (corrupt or truncated?): {}", path,
-                                      std::string(e.what()).substr(0, 200)));
-  }
-  return archive;
-}
-
-// The archive's bytes in one buffer of exactly their size: a first pass counts them, so the buffer is
-// allocated once rather than grown (a growing vector holds up to 3x the bytes while it moves: ~300 MB for
-// an fp32 CapsNet's checkpoint with Adam's moments).
-std::vector<char> to_bytes(torch::serialize::OutputArchive& archive) {
-  size_t total = 0;
-  archive.save_to([&total](const void*, size_t n) -> size_t {
-    total += n;
-    return n;
-  });
-  std::vector<char> bytes;
-  bytes.reserve(total);
-  archive.save_to([&bytes](const void* data, size_t n) -> size_t {
-    bytes.insert(bytes.end(), static_cast<const char*>(data), static_cast<const char*>(data) + n);
-    return n;
-  });
-  return bytes;
-}
-
-int64_t crc32_of(const void* data, size_t n) {
-  uLong crc = ::crc32(0L, Z_NULL, 0);
+uLong crc32_update(uLong crc, const void* data, size_t n) {
   const auto* p = static_cast<const Bytef*>(data);
   while (n > 0) {  // zlib's length is a uInt: feed at most 1 GiB at a time
     const auto chunk = static_cast<uInt>(std::min<size_t>(n, size_t{1} << 30));
@@ -78,7 +52,59 @@ int64_t crc32_of(const void* data, size_t n) {
     p += chunk;
     n -= chunk;
   }
-  return static_cast<int64_t>(crc);
+  return crc;
+}
+
+int64_t crc32_of(const void* data, size_t n) {
+  return static_cast<int64_t>(crc32_update(::crc32(0L, Z_NULL, 0), data, n));
+}
+
+void check_readable(const std::string& path) {
+  if (!std::filesystem::exists(path)) throw CheckpointError(fmt::format("checkpoint {}: no such file", path));
+  if (const auto why = data::unreadable_reason(path); !why.empty())
+    throw CheckpointError(fmt::format("checkpoint {}: cannot open: {}", path, why));
+}
+
+// A version-3 file's archive in memory, checked against its trailer; nullopt when the file has no trailer
+// (an earlier version, or not a checkpoint: read lazily by LibTorch, never loaded whole).
+std::optional<std::vector<char>> read_checked_archive(const std::string& path) {
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  if (!f) throw CheckpointError(fmt::format("checkpoint {}: cannot open: {}", path, std::strerror(errno)));
+  const auto file_size = static_cast<uint64_t>(f.tellg());
+  char trailer[kTrailerSize];
+  if (file_size < kTrailerSize || !f.seekg(static_cast<std::streamoff>(file_size - kTrailerSize)) ||
+      !f.read(trailer, kTrailerSize) || std::memcmp(trailer, kTrailerMagic, sizeof kTrailerMagic) != 0)
+    return std::nullopt;
+  const uint64_t size = little_endian(trailer + 8, 8), crc = little_endian(trailer + 16, 4);
+  if (size != file_size - kTrailerSize)
+    throw CheckpointError(fmt::format("checkpoint {}: corrupt or truncated (its trailer says {} bytes of archive, the "
+                                      "file holds {})",
+                                      path, size, file_size - kTrailerSize));
+  std::vector<char> bytes(size);
+  f.seekg(0);
+  if (!f.read(bytes.data(), static_cast<std::streamsize>(size)))
+    throw CheckpointError(fmt::format("checkpoint {}: read failed: {}", path, std::strerror(errno)));
+  if (static_cast<uint64_t>(crc32_of(bytes.data(), bytes.size())) != crc)
+    throw CheckpointError(fmt::format("checkpoint {}: corrupt (checksum mismatch: the file was damaged after it was "
+                                      "written)",
+                                      path));
+  return bytes;
+}
+
+// Runs `load` (LibTorch reading an archive) unless `expansion_problem` (zip_bounds.h's answer for that
+// archive) says it is a zip bomb. `subject` ("" or "its payload: ") starts the messages' second part.
+// LibTorch copies every record out while it loads, so an archive in memory may be freed afterwards.
+template <class Load>
+void load_archive(const std::string& path, const std::string& expansion_problem, Load&& load, const char* subject = "") {
+  if (!expansion_problem.empty())
+    throw CheckpointError(
+        fmt::format("checkpoint {}: {}corrupt or hostile: {}; refused before reading", path, subject, expansion_problem));
+  try {
+    load();
+  } catch (const std::exception& e) {
+    throw CheckpointError(fmt::format("checkpoint {}: {}cannot be read (corrupt or truncated?): {}", path, subject,
+                                      std::string(e.what()).substr(0, 200)));
+  }
 }
 
 // The meta JSON an archive holds under "meta" (the outer one, or the copy inside a version-2 payload).
@@ -113,39 +139,46 @@ void open_payload(const std::string& path, torch::serialize::InputArchive& outer
                                       "written)",
                                       path));
   const auto* data = static_cast<const char*>(bytes.data_ptr());
-  if (const auto why = zip_expansion_problem(data, static_cast<size_t>(bytes.numel())); !why.empty())
-    throw CheckpointError(fmt::format("checkpoint {}: corrupt (payload: {})", path, why));
-  try {
-    payload.load_from(data, static_cast<size_t>(bytes.numel()));
-  } catch (const std::exception& e) {
-    throw CheckpointError(fmt::format("checkpoint {}: corrupt (payload cannot be read)", path));
-  }
+  const auto n = static_cast<size_t>(bytes.numel());
+  load_archive(path, zip_expansion_problem(data, n), [&] { payload.load_from(data, n); }, "its payload: ");
 }
 
 // A checkpoint opened and checked: its meta, and the archive holding model, optimizer and generator
-// (the outer one for version 1, the CRC-checked payload for version 2). Every reader goes through
-// here, so nothing outside the checksum is ever trusted: a version-2 file's outer meta (step, model
-// config, training options) is used only when it equals the copy inside the payload, byte for byte
-// after parsing. A version-1 file (no checksum) is read as it is.
+// (the file's one archive for versions 1 and 3, the CRC-checked payload for version 2). Every reader goes
+// through here, so nothing outside a checksum is ever trusted: version 3's covers every byte of its archive;
+// a version-2 file's outer meta (step, model config, training options) is used only when it equals the copy
+// inside the payload, byte for byte after parsing. A version-1 file (no checksum) is read as it is.
 struct CheckedCheckpoint {
   CheckpointMeta meta;
   int64_t version = 1;
   torch::serialize::InputArchive outer, payload;
-  torch::serialize::InputArchive& contents() { return version >= 2 ? payload : outer; }
+  torch::serialize::InputArchive& contents() { return version == 2 ? payload : outer; }
 };
 
 CheckedCheckpoint open_checked(const std::string& path) {
   CheckedCheckpoint c;
-  c.outer = open_archive(path);
+  check_readable(path);
+  bool trailer = false;
+  if (auto bytes = read_checked_archive(path)) {
+    trailer = true;
+    load_archive(path, zip_expansion_problem(bytes->data(), bytes->size()),
+                 [&] { c.outer.load_from(bytes->data(), bytes->size()); });
+  } else {  // read lazily by LibTorch's file reader: never loaded whole
+    load_archive(path, zip_file_expansion_problem(path), [&] { c.outer.load_from(path); });
+  }
   auto j = read_meta_json(path, c.outer);
   if (j.value("format", nlohmann::json()) != kFormat)
     throw CheckpointError(fmt::format("checkpoint {}: not a capsnet checkpoint (or corrupt: format {})", path,
                                       j.value("format", nlohmann::json()).dump()));
   const auto version = j.value("version", nlohmann::json());
-  if (version != 1 && version != kVersion)
+  if (version != 1 && version != 2 && version != kVersion)
     throw CheckpointError(fmt::format("checkpoint {}: unsupported version {} (or corrupt)", path, version.dump()));
   c.version = version.get<int64_t>();
-  if (c.version >= 2) {
+  // Only version 3 has the trailer, and it always has one: a damaged magic must not skip the check.
+  if ((c.version == 3) != trailer)
+    throw CheckpointError(fmt::format("checkpoint {}: corrupt (version {} {} a checksum trailer)", path, c.version,
+                                      trailer ? "with" : "without"));
+  if (c.version == 2) {
     const auto crc = j.value("payload_crc32", nlohmann::json()), size = j.value("payload_bytes", nlohmann::json());
     if (!crc.is_number_integer() || !size.is_number_integer())
       throw CheckpointError(fmt::format("checkpoint {}: corrupt (no payload checksum in its metadata)", path));
@@ -266,44 +299,45 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, torch::o
                       {"step", meta.step},
                       {"model", meta.model_config},
                       {"train", meta.train_options}};
-  // The payload (model, optimizer, generator) is serialised to memory first: LibTorch's zip writer
-  // throws from its destructor when the disk fills (std::terminate), so it never touches the file.
-  torch::serialize::OutputArchive payload;
-  payload.write("meta", c10::IValue(dump_json(j)));
+  // One archive, streamed to the temp file with its CRC-32 computed on the way and written after it: no
+  // copy of the tensors' bytes is made (a buffer of the serialised archive was 99 MB for the CapsNet with
+  // Adam's moments, the peak of a training command). LibTorch's zip writer throws from its destructor when
+  // a write falls short (std::terminate), so write_file_atomically's sink never reports one to it.
+  torch::serialize::OutputArchive archive;
+  archive.write("meta", c10::IValue(dump_json(j)));
   torch::serialize::OutputArchive model_archive;
   model.save(model_archive);
-  payload.write("model", model_archive);
+  archive.write("model", model_archive);
   if (optimizer) {
     torch::serialize::OutputArchive optimizer_archive;
     optimizer->save(optimizer_archive);
-    payload.write("optimizer", optimizer_archive);
+    archive.write("optimizer", optimizer_archive);
   }
   if (!weight_average.empty()) {
     torch::serialize::OutputArchive average_archive;
     for (const auto& [name, t] : weight_average) average_archive.write(name, t);
-    payload.write("weight_average", average_archive);
+    archive.write("weight_average", average_archive);
   }
   {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    payload.write("rng_cpu", gen.get_state());
+    archive.write("rng_cpu", gen.get_state());
   }
-  auto payload_bytes = to_bytes(payload);
-
-  // Outer archive: the meta (with the payload's CRC-32, checked on every load) and the payload bytes.
-  j["payload_crc32"] = crc32_of(payload_bytes.data(), payload_bytes.size());
-  j["payload_bytes"] = static_cast<int64_t>(payload_bytes.size());
-  torch::serialize::OutputArchive outer;
-  outer.write("meta", c10::IValue(dump_json(j)));
-  outer.write("payload", torch::from_blob(payload_bytes.data(), {static_cast<int64_t>(payload_bytes.size())},
-                                          torch::kUInt8));
-  // Streamed to the file: the payload's bytes are held once, not twice.
   try {
     write_file_atomically(path, [&](const ByteSink& write) {
-      outer.save_to([&](const void* data, size_t n) -> size_t {
+      uLong crc = ::crc32(0L, Z_NULL, 0);
+      uint64_t size = 0;
+      archive.save_to([&](const void* data, size_t n) -> size_t {
+        crc = crc32_update(crc, data, n);
+        size += n;
         write(data, n);
         return n;
       });
+      char trailer[kTrailerSize];
+      std::memcpy(trailer, kTrailerMagic, sizeof kTrailerMagic);
+      for (int i = 0; i < 8; ++i) trailer[8 + i] = static_cast<char>((size >> (8 * i)) & 0xFF);
+      for (int i = 0; i < 4; ++i) trailer[16 + i] = static_cast<char>((crc >> (8 * i)) & 0xFF);
+      write(trailer, kTrailerSize);
     });
   } catch (const std::runtime_error& e) {
     throw CheckpointError(fmt::format("checkpoint {}: {}", path, e.what()));

@@ -1,9 +1,10 @@
 #pragma once
 // Checkpoints: model + optimizer + RNG + step + configs in one torch archive, written atomically
 // (temp file, fsync, rename) so a crash mid-write never replaces the last good checkpoint.
-// Format version 2: a payload archive (meta, model, optimizer, generator) whose CRC-32 and size are in
-// the outer meta; every read checks the CRC and that the outer meta equals the payload's copy, so no
-// byte of the file is trusted unchecked. Version 1 (no checksum) still loads.
+// Format version 3: the archive (meta, model, optimizer, generator, weight average) streamed to the file,
+// then a 20-byte trailer holding its size and CRC-32; every read checks both, so no byte of the file is
+// trusted unchecked, and a save holds no copy of the tensors. Versions 2 (a CRC-checked payload archive
+// inside an outer one) and 1 (no checksum) still load.
 
 #include <torch/torch.h>
 

@@ -8,14 +8,17 @@
 #include <vector>
 
 namespace capsnet::train {
-namespace {
 
-// Little-endian fields of the zip records (APPNOTE.TXT 4.3.12-4.3.16, 4.5.3).
-uint64_t le(const char* p, int bytes) {
+uint64_t little_endian(const char* p, int bytes) {
   uint64_t v = 0;
   for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[i]);
   return v;
 }
+
+namespace {
+
+// Little-endian fields of the zip records (APPNOTE.TXT 4.3.12-4.3.16, 4.5.3).
+uint64_t le(const char* p, int bytes) { return little_endian(p, bytes); }
 
 constexpr uint32_t kEndOfDirectory = 0x06054b50, kZip64Locator = 0x07064b50, kZip64End = 0x06064b50,
                    kDirectoryEntry = 0x02014b50;

@@ -14,6 +14,9 @@
 
 namespace capsnet::train {
 
+/// The unsigned little-endian integer of `bytes` (1..8) bytes at p (the byte order of zip's fields).
+uint64_t little_endian(const char* p, int bytes);
+
 /// Reads n bytes at offset into out; false when the source has fewer.
 using ArchiveReader = std::function<bool(uint64_t offset, size_t n, char* out)>;
 
