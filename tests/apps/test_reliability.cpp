@@ -373,6 +373,31 @@ TEST(Reliability, ACheckpointsTrailerIsCheckedAndCannotBeLostQuietly) {
   EXPECT_EQ(train::load_checkpoint(path, model, nullptr).step, 7);
 }
 
+/// An archive as checkpoint formats 1 and 2 wrote it: "meta" (`version`, `step`, the model's config, train
+/// {"seed": seed}) and "model"; returns the meta.
+nlohmann::json old_format_archive(torch::serialize::OutputArchive& archive, models::CapsNet& model, int version,
+                                  int64_t step, int seed) {
+  nlohmann::json meta = {{"format", "capsnet-checkpoint"},
+                         {"version", version},
+                         {"step", step},
+                         {"model", model->config.to_json()},
+                         {"train", {{"seed", seed}}}};
+  archive.write("meta", c10::IValue(meta.dump()));
+  torch::serialize::OutputArchive model_archive;
+  model->save(model_archive);
+  archive.write("model", model_archive);
+  return meta;
+}
+
+/// The checkpoint in `path` loads as the model `written`, with `step`.
+void expect_loads_as(const std::string& path, models::CapsNet& written, int64_t step) {
+  EXPECT_EQ(train::read_checkpoint_meta(path).step, step);
+  auto loaded = train::load_model(path);
+  const auto a = written->named_parameters(), b = loaded->named_parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& p : a) EXPECT_TRUE(torch::equal(p.value(), b[p.key()])) << p.key();
+}
+
 TEST(Reliability, VersionTwoCheckpointsStillLoadAndAreChecked) {
   // The format before version 3: a payload archive (meta, model, generator) whose CRC-32 and size are in
   // an outer archive's meta beside it. Runs under way resume from such files.
@@ -380,16 +405,8 @@ TEST(Reliability, VersionTwoCheckpointsStillLoadAndAreChecked) {
   const auto path = dir / "v2.pt";
   torch::manual_seed(5);
   models::CapsNet written(tiny_config());
-  nlohmann::json meta = {{"format", "capsnet-checkpoint"},
-                         {"version", 2},
-                         {"step", 13},
-                         {"model", written->config.to_json()},
-                         {"train", {{"seed", 5}}}};
   torch::serialize::OutputArchive payload;
-  payload.write("meta", c10::IValue(meta.dump()));
-  torch::serialize::OutputArchive model_archive;
-  written->save(model_archive);
-  payload.write("model", model_archive);
+  auto meta = old_format_archive(payload, written, 2, 13, 5);
   std::string bytes;
   payload.save_to([&](const void* data, size_t n) -> size_t {
     bytes.append(static_cast<const char*>(data), n);
@@ -402,12 +419,7 @@ TEST(Reliability, VersionTwoCheckpointsStillLoadAndAreChecked) {
   outer.write("meta", c10::IValue(meta.dump()));
   outer.write("payload", torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8));
   outer.save_to(path);
-
-  EXPECT_EQ(train::read_checkpoint_meta(path).step, 13);
-  auto loaded = train::load_model(path);
-  const auto a = written->named_parameters(), b = loaded->named_parameters();
-  ASSERT_EQ(a.size(), b.size());
-  for (const auto& p : a) EXPECT_TRUE(torch::equal(p.value(), b[p.key()])) << p.key();
+  expect_loads_as(path, written, 13);
 
   // A byte of the payload changed (the middle of the file): its checksum still catches it.
   auto bad = read_bytes(path);
@@ -427,23 +439,10 @@ TEST(Reliability, VersionOneCheckpointsWithoutAChecksumStillLoad) {
   const auto path = dir / "v1.pt";
   torch::manual_seed(3);
   models::CapsNet written(tiny_config());
-  nlohmann::json meta = {{"format", "capsnet-checkpoint"},
-                         {"version", 1},
-                         {"step", 11},
-                         {"model", written->config.to_json()},
-                         {"train", {{"seed", 3}}}};
   torch::serialize::OutputArchive archive;
-  archive.write("meta", c10::IValue(meta.dump()));
-  torch::serialize::OutputArchive model_archive;
-  written->save(model_archive);
-  archive.write("model", model_archive);
+  old_format_archive(archive, written, 1, 11, 3);
   archive.save_to(path);
-
-  EXPECT_EQ(train::read_checkpoint_meta(path).step, 11);
-  auto loaded = train::load_model(path);
-  const auto a = written->named_parameters(), b = loaded->named_parameters();
-  ASSERT_EQ(a.size(), b.size());
-  for (const auto& p : a) EXPECT_TRUE(torch::equal(p.value(), b[p.key()])) << p.key();
+  expect_loads_as(path, written, 11);
 }
 
 TEST(Reliability, ACheckpointWithANegativeStepIsRefusedWithASentence) {
