@@ -59,6 +59,19 @@ void tiny_checkpoint(const std::string& path, uint64_t seed = 1) {
   train::save_checkpoint(path, model, &adam, {7, model->config.to_json(), nlohmann::json::object()});
 }
 
+/// Loading the checkpoint `path` (written for tiny_config()) fails with a CheckpointError that says "corrupt"
+/// and names the file; `what` names the damage in the failure message.
+void expect_corrupt_checkpoint(const std::string& path, const std::string& what) {
+  models::CapsNet model(tiny_config());
+  try {
+    train::load_checkpoint(path, model, nullptr);
+    ADD_FAILURE() << what << " loaded";
+  } catch (const train::CheckpointError& e) {
+    expect_contains(e.what(), "corrupt");
+    expect_contains(e.what(), path);
+  }
+}
+
 // --- archives that inflate beyond their size ---------------------------------------------------------
 
 void put_le(std::string& out, uint64_t v, int bytes) {
@@ -202,14 +215,7 @@ TEST(Reliability, ACorruptPayloadSaysCorruptAndNamesTheFile) {
   auto bytes = read_bytes(path);
   bytes[bytes.size() / 2] ^= 0x01;
   write_bytes(path, bytes);
-  models::CapsNet model(tiny_config());
-  try {
-    train::load_checkpoint(path, model, nullptr);
-    FAIL() << "a flipped bit loaded";
-  } catch (const train::CheckpointError& e) {
-    expect_contains(e.what(), "corrupt");
-    expect_contains(e.what(), path);
-  }
+  expect_corrupt_checkpoint(path, "a flipped bit");
 }
 
 TEST(Reliability, AFullDiskDuringCheckpointSaveIsAnErrorNotACrashAndLeavesNoTempFile) {
@@ -352,14 +358,7 @@ TEST(Reliability, ACheckpointsTrailerIsCheckedAndCannotBeLostQuietly) {
   EXPECT_EQ(good.substr(good.size() - 20, 8), "capsckp3");
   const auto expect_corrupt = [&](const std::string& bytes, const std::string& what) {
     write_bytes(path, bytes);
-    models::CapsNet model(tiny_config());
-    try {
-      train::load_checkpoint(path, model, nullptr);
-      ADD_FAILURE() << what << " loaded";
-    } catch (const train::CheckpointError& e) {
-      expect_contains(e.what(), "corrupt");
-      expect_contains(e.what(), path);
-    }
+    expect_corrupt_checkpoint(path, what);
   };
   for (size_t i = good.size() - 20; i < good.size(); ++i) {
     auto bad = good;
@@ -425,12 +424,7 @@ TEST(Reliability, VersionTwoCheckpointsStillLoadAndAreChecked) {
   auto bad = read_bytes(path);
   bad[bad.size() / 2] ^= 0x01;
   write_bytes(path, bad);
-  try {
-    train::load_model(path);
-    FAIL() << "a damaged version-2 checkpoint loaded";
-  } catch (const train::CheckpointError& e) {
-    expect_contains(e.what(), "corrupt");
-  }
+  expect_corrupt_checkpoint(path, "a damaged version-2 checkpoint");
 }
 
 TEST(Reliability, VersionOneCheckpointsWithoutAChecksumStillLoad) {
