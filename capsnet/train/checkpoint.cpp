@@ -5,6 +5,7 @@
 #include "capsnet/data/mnist.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -16,7 +17,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <optional>
 
 #include "capsnet/train/export.h"
@@ -65,30 +65,61 @@ void check_readable(const std::string& path) {
     throw CheckpointError(fmt::format("checkpoint {}: cannot open: {}", path, why));
 }
 
-// A version-3 file's archive in memory, checked against its trailer; nullopt when the file has no trailer
-// (an earlier version, or not a checkpoint: read lazily by LibTorch, never loaded whole).
-std::optional<std::vector<char>> read_checked_archive(const std::string& path) {
-  std::ifstream f(path, std::ios::binary | std::ios::ate);
-  if (!f) throw CheckpointError(fmt::format("checkpoint {}: cannot open: {}", path, std::strerror(errno)));
-  const auto file_size = static_cast<uint64_t>(f.tellg());
+// An open file, closed when it goes out of scope.
+struct OpenFile {
+  int fd;
+  explicit OpenFile(const std::string& path) : fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC)) {}
+  ~OpenFile() {
+    if (fd >= 0) ::close(fd);
+  }
+  OpenFile(const OpenFile&) = delete;
+  OpenFile& operator=(const OpenFile&) = delete;
+  /// Up to n bytes at offset into out (fewer only at the end of the file or on an error): how many.
+  size_t read_at(uint64_t offset, size_t n, char* out) const {
+    size_t done = 0;
+    while (done < n) {
+      const ssize_t r = ::pread(fd, out + done, n - done, static_cast<off_t>(offset + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) break;
+      done += static_cast<size_t>(r);
+    }
+    return done;
+  }
+};
+
+// The size of a version-3 file's archive (the file less its trailer), after checking the trailer and the
+// CRC-32 over the archive, read through `file` a few MB at a time; nullopt when the file has no trailer
+// (an earlier version, or not a checkpoint). No copy of the archive is held: LibTorch then parses it from
+// the same open file (open_checked), so the bytes parsed are the bytes checked even if another writer
+// renames a new checkpoint over the path meanwhile.
+std::optional<uint64_t> checked_archive_size(const std::string& path, const OpenFile& file) {
+  struct stat st {};
+  if (::fstat(file.fd, &st) != 0)
+    throw CheckpointError(fmt::format("checkpoint {}: cannot open: {}", path, std::strerror(errno)));
+  const auto file_size = static_cast<uint64_t>(st.st_size);
   char trailer[kTrailerSize];
-  if (file_size < kTrailerSize || !f.seekg(static_cast<std::streamoff>(file_size - kTrailerSize)) ||
-      !f.read(trailer, kTrailerSize) || std::memcmp(trailer, kTrailerMagic, sizeof kTrailerMagic) != 0)
+  if (file_size < kTrailerSize || file.read_at(file_size - kTrailerSize, kTrailerSize, trailer) != kTrailerSize ||
+      std::memcmp(trailer, kTrailerMagic, sizeof kTrailerMagic) != 0)
     return std::nullopt;
   const uint64_t size = little_endian(trailer + 8, 8), crc = little_endian(trailer + 16, 4);
   if (size != file_size - kTrailerSize)
     throw CheckpointError(fmt::format("checkpoint {}: corrupt or truncated (its trailer says {} bytes of archive, the "
                                       "file holds {})",
                                       path, size, file_size - kTrailerSize));
-  std::vector<char> bytes(size);
-  f.seekg(0);
-  if (!f.read(bytes.data(), static_cast<std::streamsize>(size)))
-    throw CheckpointError(fmt::format("checkpoint {}: read failed: {}", path, std::strerror(errno)));
-  if (static_cast<uint64_t>(crc32_of(bytes.data(), bytes.size())) != crc)
+  std::vector<char> chunk(size_t{4} << 20);
+  uLong sum = ::crc32(0L, Z_NULL, 0);
+  for (uint64_t at = 0; at < size;) {
+    const auto want = static_cast<size_t>(std::min<uint64_t>(chunk.size(), size - at));
+    if (file.read_at(at, want, chunk.data()) != want)
+      throw CheckpointError(fmt::format("checkpoint {}: read failed: {}", path, std::strerror(errno)));
+    sum = crc32_update(sum, chunk.data(), want);
+    at += want;
+  }
+  if (static_cast<uint64_t>(sum) != crc)
     throw CheckpointError(fmt::format("checkpoint {}: corrupt (checksum mismatch: the file was damaged after it was "
                                       "written)",
                                       path));
-  return bytes;
+  return size;
 }
 
 // Runs `load` (LibTorch reading an archive) unless `expansion_problem` (zip_bounds.h's answer for that
@@ -159,10 +190,23 @@ CheckedCheckpoint open_checked(const std::string& path) {
   CheckedCheckpoint c;
   check_readable(path);
   bool trailer = false;
-  if (auto bytes = read_checked_archive(path)) {
+  OpenFile file(path);
+  if (file.fd < 0) throw CheckpointError(fmt::format("checkpoint {}: cannot open: {}", path, std::strerror(errno)));
+  if (const auto size = checked_archive_size(path, file)) {
     trailer = true;
-    load_archive(path, zip_expansion_problem(bytes->data(), bytes->size()),
-                 [&] { c.outer.load_from(bytes->data(), bytes->size()); });
+    // The archive is the file less its trailer: LibTorch reads it through `file`, record by record.
+    const auto read = [&](uint64_t offset, size_t n, char* out) {
+      return offset <= *size && n <= *size - offset && file.read_at(offset, n, out) == n;
+    };
+    load_archive(path, zip_expansion_problem(read, *size), [&] {
+      c.outer.load_from(
+          [&](uint64_t offset, void* out, size_t n) -> size_t {
+            if (offset >= *size) return 0;
+            return file.read_at(offset, static_cast<size_t>(std::min<uint64_t>(n, *size - offset)),
+                                static_cast<char*>(out));
+          },
+          [&]() -> size_t { return static_cast<size_t>(*size); });
+    });
   } else {  // read lazily by LibTorch's file reader: never loaded whole
     load_archive(path, zip_file_expansion_problem(path), [&] { c.outer.load_from(path); });
   }
@@ -352,10 +396,13 @@ CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, 
                          [&](const nlohmann::json& saved) { return models::same_config(saved, config); });
 }
 
-CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
-                               const std::function<bool(const nlohmann::json&)>& config_matches,
-                               NamedTensors* weight_average, bool* average_found) {
-  auto checked = open_checked(path);
+namespace {
+
+// load_checkpoint's work on a checkpoint already opened (and checked) by open_checked.
+CheckpointMeta load_opened(CheckedCheckpoint& checked, const std::string& path, torch::nn::Module& model,
+                           torch::optim::Optimizer* optimizer,
+                           const std::function<bool(const nlohmann::json&)>& config_matches,
+                           NamedTensors* weight_average = nullptr, bool* average_found = nullptr) {
   const auto& meta = checked.meta;
   auto& archive = checked.contents();
   if (!config_matches(meta.model_config))
@@ -415,6 +462,15 @@ CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model
   return meta;
 }
 
+}  // namespace
+
+CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                               const std::function<bool(const nlohmann::json&)>& config_matches,
+                               NamedTensors* weight_average, bool* average_found) {
+  auto checked = open_checked(path);
+  return load_opened(checked, path, model, optimizer, config_matches, weight_average, average_found);
+}
+
 namespace {
 
 /// The input spec of a file whose training options or model card is `info` and model config `config`.
@@ -464,25 +520,27 @@ std::string stored_model(const std::string& path) {
 
 namespace {
 
-// The meta of a checkpoint holding the `wanted` network; CheckpointError saying what it holds otherwise.
-CheckpointMeta meta_of_kind(const std::string& path, const char* wanted) {
-  auto meta = read_checkpoint_meta(path);
-  if (const auto kind = checkpoint_model(meta); kind != wanted)
+// The checkpoint `path`, opened and checked, when it holds the `wanted` network; CheckpointError saying what
+// it holds otherwise.
+CheckedCheckpoint open_of_kind(const std::string& path, const char* wanted) {
+  auto checked = open_checked(path);
+  if (const auto kind = checkpoint_model(checked.meta); kind != wanted)
     throw CheckpointError(fmt::format("checkpoint {}: holds {}, not {}; eval, export and predict take it, this "
                                       "command does not",
                                       path, describe_model_kind(kind), describe_model_kind(wanted)));
-  return meta;
+  return checked;
 }
 
-// The network of the checkpoint `path` whose meta (already read) is `meta`, weights loaded, eval mode. The
+// The network of the checkpoint `path`, opened as `checked` (read once), weights loaded, eval mode. The
 // stored config is compared through from_json, as a resume compares it (for EM: a config without the newer
 // routing keys means the earlier routing).
 template <class Model, class Config>
-Model network_from_checkpoint(const std::string& path, const CheckpointMeta& meta) {
-  const auto config = parse_config<Config, CheckpointError>(meta.model_config, fmt::format("checkpoint {}", path));
+Model network_from_checkpoint(const std::string& path, CheckedCheckpoint&& checked) {
+  const auto config =
+      parse_config<Config, CheckpointError>(checked.meta.model_config, fmt::format("checkpoint {}", path));
   Model model(config);
-  load_checkpoint(path, *model, nullptr,
-                  [&](const nlohmann::json& saved) { return Config::from_json(saved).to_json() == config.to_json(); });
+  load_opened(checked, path, *model, nullptr,
+              [&](const nlohmann::json& saved) { return Config::from_json(saved).to_json() == config.to_json(); });
   model->eval();
   return model;
 }
@@ -492,19 +550,19 @@ Model network_from_checkpoint(const std::string& path, const CheckpointMeta& met
 // A shipped / exported weight file (weights and config only) serves wherever a model is needed.
 models::CapsNet load_model(const std::string& path) {
   if (auto weights = try_read_weights(path)) return model_from_weights(*weights, path);
-  return network_from_checkpoint<models::CapsNet, models::CapsNetConfig>(path, meta_of_kind(path, kCapsNetModel));
+  return network_from_checkpoint<models::CapsNet, models::CapsNetConfig>(path, open_of_kind(path, kCapsNetModel));
 }
 
 models::MatrixCapsNet load_matrix_model(const std::string& path) {
   if (auto weights = try_read_weights(path)) return matrix_model_from_weights(*weights, path);
   return network_from_checkpoint<models::MatrixCapsNet, models::MatrixCapsNetConfig>(
-      path, meta_of_kind(path, kMatrixCapsNetModel));
+      path, open_of_kind(path, kMatrixCapsNetModel));
 }
 
 models::BaselineCnn load_baseline_cnn(const std::string& path) {
   if (auto weights = try_read_weights(path)) return baseline_cnn_from_weights(*weights, path);
   return network_from_checkpoint<models::BaselineCnn, models::BaselineCnnConfig>(path,
-                                                                                 meta_of_kind(path, kBaselineCnnModel));
+                                                                                 open_of_kind(path, kBaselineCnnModel));
 }
 
 int64_t LoadedModel::image_size() const {
@@ -526,15 +584,18 @@ LoadedModel load_any_model(const std::string& path) {
     if (w->model == kBaselineCnnModel) return {w->model, baseline_cnn_from_weights(*w, path), std::move(spec)};
     return {w->model, model_from_weights(*w, path), std::move(spec)};
   }
-  // A checkpoint: its meta is read here once, its weights by load_checkpoint.
-  const auto meta = read_checkpoint_meta(path);
-  auto spec = input_spec_of(meta.train_options, meta.model_config, path);
-  const auto kind = checkpoint_model(meta);
+  // A checkpoint: opened and checked once, for its meta and its weights.
+  auto checked = open_checked(path);
+  auto spec = input_spec_of(checked.meta.train_options, checked.meta.model_config, path);
+  const auto kind = checkpoint_model(checked.meta);
   if (kind == kMatrixCapsNetModel)
-    return {kind, network_from_checkpoint<models::MatrixCapsNet, models::MatrixCapsNetConfig>(path, meta), spec};
+    return {kind,
+            network_from_checkpoint<models::MatrixCapsNet, models::MatrixCapsNetConfig>(path, std::move(checked)),
+            spec};
   if (kind == kBaselineCnnModel)
-    return {kind, network_from_checkpoint<models::BaselineCnn, models::BaselineCnnConfig>(path, meta), spec};
-  return {kind, network_from_checkpoint<models::CapsNet, models::CapsNetConfig>(path, meta), spec};
+    return {kind, network_from_checkpoint<models::BaselineCnn, models::BaselineCnnConfig>(path, std::move(checked)),
+            spec};
+  return {kind, network_from_checkpoint<models::CapsNet, models::CapsNetConfig>(path, std::move(checked)), spec};
 }
 
 }  // namespace capsnet::train
