@@ -110,8 +110,10 @@ std::optional<uint64_t> checked_archive_size(const std::string& path, const Open
   uLong sum = ::crc32(0L, Z_NULL, 0);
   for (uint64_t at = 0; at < size;) {
     const auto want = static_cast<size_t>(std::min<uint64_t>(chunk.size(), size - at));
+    errno = 0;
     if (file.read_at(at, want, chunk.data()) != want)
-      throw CheckpointError(fmt::format("checkpoint {}: read failed: {}", path, std::strerror(errno)));
+      throw CheckpointError(fmt::format("checkpoint {}: read failed at byte {} of {}: {}", path, at, size,
+                                        errno ? std::strerror(errno) : "the file became shorter while it was read"));
     sum = crc32_update(sum, chunk.data(), want);
     at += want;
   }
