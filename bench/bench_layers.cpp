@@ -157,7 +157,7 @@ void Conv1Inference(benchmark::State& state) {
 }
 
 // One stage of the paper's CapsNet training step at batch 100, in either precision, at 28x28 or with the
-// affine experiment's 40x40 input (args: {stage, bf16 (0/1), side}; 40x40 in bf16 only), run through the model's own modules and dispatch as training runs them; and the GEMM probe
+// MultiMNIST 36x36 and the affine experiment's 40x40 inputs (args: {stage, bf16 (0/1), side}; 36 and 40 in bf16 only), run through the model's own modules and dispatch as training runs them; and the GEMM probe
 // each is compared with. Counter GFLOP/s: nominal FLOPs (apps::forward_flops: the direct convolutions'
 // count) per second of forward + backward: Conv1 2x its forward (no input gradient), every other stage 3x;
 // "step" is the whole step (forward, loss, backward, fused Adam), "adam" the optimizer step alone (no
@@ -304,7 +304,7 @@ BENCHMARK(GemmProbe)->ArgNames({"bf16"})->Args({0})->Args({1})->Iterations(1)->U
 BENCHMARK(Stages)
     ->ArgNames({"stage", "bf16", "side"})
     ->ArgsProduct({{kConv1, kPrimary, kDigit, kDecoder, kAdam, kStep}, {0, 1}, {28}})
-    ->ArgsProduct({{kConv1, kPrimary, kDigit, kDecoder, kAdam, kStep}, {1}, {40}})
+    ->ArgsProduct({{kConv1, kPrimary, kDigit, kDecoder, kAdam, kStep}, {1}, {36, 40}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(Conv1Inference)
