@@ -208,6 +208,51 @@ TEST(Reliability, FlippedBytesInACheckpointAreReportedAsCorrupt) {
   EXPECT_EQ(train::load_checkpoint(path, model, nullptr).step, 7);
 }
 
+// A checkpoint is checksummed a 4 MB chunk at a time and LibTorch then reads its records through the same
+// open file: a 28 MB one (a [2048, 1024] layer with Adam's moments) must come back bit for bit, and a flipped
+// byte in any chunk, the last one included, must be caught.
+TEST(Reliability, ACheckpointOfManyChecksumChunksLoadsExactlyAndIsCheckedThroughout) {
+  TempDir dir;
+  const auto path = dir / "checkpoint.pt";
+  torch::manual_seed(3);
+  torch::nn::Linear written(2048, 1024);
+  torch::optim::Adam adam(written->parameters(), torch::optim::AdamOptions(1e-3));
+  written(torch::randn({4, 2048})).square().sum().backward();
+  adam.step();  // moments of their own values, not zeros
+  const auto config = nlohmann::json{{"layer", "linear 2048 -> 1024"}};
+  train::save_checkpoint(path, *written, &adam, {5, config, nlohmann::json::object()});
+  const auto good = read_bytes(path);
+  ASSERT_GT(good.size(), size_t{24} << 20);  // six checksum chunks and more
+  const auto same_config = [&](const nlohmann::json& saved) { return saved == config; };
+
+  torch::manual_seed(4);
+  torch::nn::Linear loaded(2048, 1024);
+  torch::optim::Adam loaded_adam(loaded->parameters(), torch::optim::AdamOptions(1e-3));
+  EXPECT_EQ(train::load_checkpoint(path, *loaded, &loaded_adam, same_config).step, 5);
+  EXPECT_TRUE(torch::equal(loaded->weight, written->weight));
+  EXPECT_TRUE(torch::equal(loaded->bias, written->bias));
+  const auto& state = static_cast<const torch::optim::AdamParamState&>(
+      *loaded_adam.state().at(c10::guts::to_string(loaded->weight.unsafeGetTensorImpl())));
+  const auto& state_written = static_cast<const torch::optim::AdamParamState&>(
+      *adam.state().at(c10::guts::to_string(written->weight.unsafeGetTensorImpl())));
+  EXPECT_TRUE(torch::equal(state.exp_avg(), state_written.exp_avg()));
+  EXPECT_TRUE(torch::equal(state.exp_avg_sq(), state_written.exp_avg_sq()));
+
+  for (const size_t at : {size_t{1}, (size_t{4} << 20) - 1, size_t{4} << 20, (size_t{13} << 20) + 7,
+                          good.size() - 21, good.size() / 2}) {
+    auto bad = good;
+    bad[at] ^= 0x10;
+    write_bytes(path, bad);
+    torch::nn::Linear model(2048, 1024);
+    try {
+      train::load_checkpoint(path, *model, nullptr, same_config);
+      ADD_FAILURE() << "a byte flipped at " << at << " of " << good.size() << " loaded";
+    } catch (const train::CheckpointError& e) {
+      expect_contains(e.what(), "corrupt");
+    }
+  }
+}
+
 TEST(Reliability, ACorruptPayloadSaysCorruptAndNamesTheFile) {
   TempDir dir;
   const auto path = dir / "checkpoint.pt";
