@@ -196,18 +196,15 @@ CheckedCheckpoint open_checked(const std::string& path) {
   if (file.fd < 0) throw CheckpointError(fmt::format("checkpoint {}: cannot open: {}", path, std::strerror(errno)));
   if (const auto size = checked_archive_size(path, file)) {
     trailer = true;
-    // The archive is the file less its trailer: LibTorch reads it through `file`, record by record.
-    const auto read = [&](uint64_t offset, size_t n, char* out) {
-      return offset <= *size && n <= *size - offset && file.read_at(offset, n, out) == n;
+    // The archive is the file less its trailer: up to n of its bytes at offset, read through `file` (LibTorch
+    // reads it so, record by record; the zip bound wants all n).
+    const auto read_archive = [&](uint64_t offset, void* out, size_t n) -> size_t {
+      if (offset >= *size) return 0;
+      return file.read_at(offset, static_cast<size_t>(std::min<uint64_t>(n, *size - offset)), static_cast<char*>(out));
     };
-    load_archive(path, zip_expansion_problem(read, *size), [&] {
-      c.outer.load_from(
-          [&](uint64_t offset, void* out, size_t n) -> size_t {
-            if (offset >= *size) return 0;
-            return file.read_at(offset, static_cast<size_t>(std::min<uint64_t>(n, *size - offset)),
-                                static_cast<char*>(out));
-          },
-          [&]() -> size_t { return static_cast<size_t>(*size); });
+    const auto read_all = [&](uint64_t offset, size_t n, char* out) { return read_archive(offset, out, n) == n; };
+    load_archive(path, zip_expansion_problem(read_all, *size), [&] {
+      c.outer.load_from(read_archive, [&]() -> size_t { return static_cast<size_t>(*size); });
     });
   } else {  // read lazily by LibTorch's file reader: never loaded whole
     load_archive(path, zip_file_expansion_problem(path), [&] { c.outer.load_from(path); });

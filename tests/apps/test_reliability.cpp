@@ -59,12 +59,17 @@ void tiny_checkpoint(const std::string& path, uint64_t seed = 1) {
   train::save_checkpoint(path, model, &adam, {7, model->config.to_json(), nlohmann::json::object()});
 }
 
-/// Loading the checkpoint `path` (written for tiny_config()) fails with a CheckpointError that says "corrupt"
-/// and names the file; `what` names the damage in the failure message.
-void expect_corrupt_checkpoint(const std::string& path, const std::string& what) {
-  models::CapsNet model(tiny_config());
+/// Loading the checkpoint `path` with `load` (default: into a tiny_config() CapsNet) fails with a CheckpointError
+/// that says "corrupt" and names the file; `what` names the damage in the failure message.
+void expect_corrupt_checkpoint(const std::string& path, const std::string& what,
+                               const std::function<void()>& load = {}) {
   try {
-    train::load_checkpoint(path, model, nullptr);
+    if (load) {
+      load();
+    } else {
+      models::CapsNet model(tiny_config());
+      train::load_checkpoint(path, model, nullptr);
+    }
     ADD_FAILURE() << what << " loaded";
   } catch (const train::CheckpointError& e) {
     expect_contains(e.what(), "corrupt");
@@ -243,13 +248,11 @@ TEST(Reliability, ACheckpointOfManyChecksumChunksLoadsExactlyAndIsCheckedThrough
     auto bad = good;
     bad[at] ^= 0x10;
     write_bytes(path, bad);
-    torch::nn::Linear model(2048, 1024);
-    try {
-      train::load_checkpoint(path, *model, nullptr, same_config);
-      ADD_FAILURE() << "a byte flipped at " << at << " of " << good.size() << " loaded";
-    } catch (const train::CheckpointError& e) {
-      expect_contains(e.what(), "corrupt");
-    }
+    expect_corrupt_checkpoint(path, "a byte flipped at " + std::to_string(at) + " of " + std::to_string(good.size()),
+                              [&] {
+                                torch::nn::Linear model(2048, 1024);
+                                train::load_checkpoint(path, *model, nullptr, same_config);
+                              });
   }
 }
 
