@@ -59,41 +59,26 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
   if (f->eval_only) {
     const std::string path = f->checkpoint.empty() ? train::checkpoint_path(o.loop.out_dir) : f->checkpoint;
     // A training checkpoint, or a weight file (capsnet export; apps/gpu/multimnist.py) whose card holds the
-    // checkpoint's training options under "train_options".
-    nlohmann::json train_options = nlohmann::json::object();
-    int64_t step = 0, channels = 0, size = 0;
-    auto weights = train::try_read_weights(path);
-    if (weights) {
-      if (weights->card.is_object() && weights->card.contains("train_options"))
-        train_options = weights->card.at("train_options");
-      if (!train_options.is_object())
-        throw std::invalid_argument(fmt::format("{}: the card's train_options must be an object", path));
-      step = weights->step;
-      if (weights->model == train::kBaselineCnnModel) {
-        o.which = experiments::MultiMnistModel::kCnn;
-        cnn = train::baseline_cnn_from_weights(*weights, path);
-      } else {
-        o.which = experiments::MultiMnistModel::kCapsNet;
-        model = train::model_from_weights(*weights, path);  // refuses an EM network, naming the commands that take it
-      }
+    // checkpoint's training options under "train_options"; read once.
+    auto loaded = train::load_any_model(path);
+    if (loaded.kind == train::kMatrixCapsNetModel)
+      throw std::invalid_argument(fmt::format("{}: holds {}; capsnet multimnist evaluates a CapsNet or the baseline "
+                                              "CNN (capsnet eval takes it)",
+                                              path, train::describe_model_kind(loaded.kind)));
+    nlohmann::json train_options = loaded.train_options.is_null() ? nlohmann::json::object() : loaded.train_options;
+    if (!train_options.is_object())
+      throw std::invalid_argument(fmt::format("{}: the {} train_options must be an object", path,
+                                              loaded.weight_file ? "card's" : "checkpoint's"));
+    const int64_t step = loaded.step;
+    const int64_t channels = loaded.image_channels(), size = loaded.image_size();
+    loaded.set_precision(o.loop.precision);  // as the training run's own evaluations compute (--precision)
+    if (loaded.kind == train::kBaselineCnnModel) {
+      o.which = experiments::MultiMnistModel::kCnn;
+      cnn = std::get<models::BaselineCnn>(loaded.network);
     } else {
-      const auto meta = train::read_checkpoint_meta(path);
-      train_options = meta.train_options;
-      step = meta.step;
-      if (meta.train_options.value("task", std::string()) == "multimnist-cnn") {
-        o.which = experiments::MultiMnistModel::kCnn;
-        cnn = models::BaselineCnn(models::BaselineCnnConfig::from_json(meta.model_config));
-        train::load_checkpoint(path, *cnn, nullptr,
-                               [&](const nlohmann::json& saved) { return saved == meta.model_config; });
-      } else {
-        o.which = experiments::MultiMnistModel::kCapsNet;
-        model = train::load_model(path);
-      }
+      o.which = experiments::MultiMnistModel::kCapsNet;
+      model = std::get<models::CapsNet>(loaded.network);
     }
-    if (o.which == experiments::MultiMnistModel::kCnn)
-      channels = cnn->config.image_channels, size = cnn->config.image_size;
-    else
-      channels = model->config.image_channels, size = model->config.image_size;
     if (size != canvas || channels != 1)
       throw std::invalid_argument(fmt::format(
           "{}: the model takes {}x{}x{} images, MultiMNIST pairs are 1x{}x{} (train one with capsnet "
@@ -109,9 +94,10 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
     // Test on pairs made like the training pairs unless --overlay asks for the other overlay. A weight file
     // without the training options (not exported from a MultiMNIST checkpoint) takes --overlay's value; a
     // checkpoint without them predates the option and was trained with max (saved_overlay).
-    if (!f->overlay_given && (!weights || train_options.contains("train_generator")))
+    if (!f->overlay_given && (!loaded.weight_file || train_options.contains("train_generator")))
       gen_options.overlay = experiments::saved_overlay(train_options);
-    std::cout << fmt::format("loaded {} (step {}, {} training pairs seen)\n", path, step, step * batch);
+    std::cout << fmt::format("loaded {} (step {}, {} training pairs seen); evaluating in {}\n", path, step,
+                             step * batch, precision_name(o.loop.precision));
   }
   const bool is_cnn = o.which == experiments::MultiMnistModel::kCnn;
   // The test pairs through whichever model this run has.
@@ -151,6 +137,7 @@ int run_multimnist(Flags& flags, std::shared_ptr<train::ProcessGroup> group) {
   const auto& r = *eval;
   summary["overlay"] = data::overlay_name(gen_options.overlay);
   summary["model_kind"] = experiments::multimnist_model_name(o.which);
+  summary["precision"] = precision_name(o.loop.precision);
   summary["model"] = is_cnn ? cnn->config.to_json() : model->config.to_json();
   summary["parameters"] = is_cnn ? models::count_parameters(*cnn) : models::count_parameters(*model);
   summary["test_examples"] = r.examples;

@@ -92,15 +92,19 @@ struct OpenFile {
 // (an earlier version, or not a checkpoint). No copy of the archive is held: LibTorch then parses it from
 // the same open file (open_checked), so the bytes parsed are the bytes checked even if another writer
 // renames a new checkpoint over the path meanwhile.
+// Whether the open `file` of `file_size` bytes ends in a version-3 trailer's magic; the trailer in `trailer`.
+bool read_trailer(const OpenFile& file, uint64_t file_size, char (&trailer)[kTrailerSize]) {
+  return file_size >= kTrailerSize && file.read_at(file_size - kTrailerSize, kTrailerSize, trailer) == kTrailerSize &&
+         std::memcmp(trailer, kTrailerMagic, sizeof kTrailerMagic) == 0;
+}
+
 std::optional<uint64_t> checked_archive_size(const std::string& path, const OpenFile& file) {
   struct stat st {};
   if (::fstat(file.fd, &st) != 0)
     throw CheckpointError(fmt::format("checkpoint {}: cannot open: {}", path, std::strerror(errno)));
   const auto file_size = static_cast<uint64_t>(st.st_size);
   char trailer[kTrailerSize];
-  if (file_size < kTrailerSize || file.read_at(file_size - kTrailerSize, kTrailerSize, trailer) != kTrailerSize ||
-      std::memcmp(trailer, kTrailerMagic, sizeof kTrailerMagic) != 0)
-    return std::nullopt;
+  if (!read_trailer(file, file_size, trailer)) return std::nullopt;
   const uint64_t size = little_endian(trailer + 8, 8), crc = little_endian(trailer + 16, 4);
   if (size != file_size - kTrailerSize)
     throw CheckpointError(fmt::format("checkpoint {}: corrupt or truncated (its trailer says {} bytes of archive, the "
@@ -389,6 +393,16 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, torch::o
 
 CheckpointMeta read_checkpoint_meta(const std::string& path) { return open_checked(path).meta; }
 
+bool has_checkpoint_trailer(const std::string& path) {
+  // Only a regular file is opened: opening a FIFO would wait for a writer (its readers refuse it).
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
+  OpenFile file(path);
+  if (file.fd < 0 || ::fstat(file.fd, &st) != 0 || !S_ISREG(st.st_mode)) return false;
+  char trailer[kTrailerSize];
+  return read_trailer(file, static_cast<uint64_t>(st.st_size), trailer);
+}
+
 CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer) {
   const auto config = model->config;
   return load_checkpoint(path, *model, optimizer,
@@ -578,23 +592,28 @@ void LoadedModel::set_precision(Precision precision) {
 
 LoadedModel load_any_model(const std::string& path) {
   if (auto w = try_read_weights(path)) {
-    auto spec = input_spec_of(w->card, w->config, path);
-    if (w->model == kMatrixCapsNetModel) return {w->model, matrix_model_from_weights(*w, path), std::move(spec)};
-    if (w->model == kBaselineCnnModel) return {w->model, baseline_cnn_from_weights(*w, path), std::move(spec)};
-    return {w->model, model_from_weights(*w, path), std::move(spec)};
+    LoadedModel m{w->model, models::CapsNet{nullptr}, input_spec_of(w->card, w->config, path), w->step,
+                  w->card.is_object() ? w->card.value("train_options", nlohmann::json()) : nlohmann::json(), true};
+    if (w->model == kMatrixCapsNetModel)
+      m.network = matrix_model_from_weights(*w, path);
+    else if (w->model == kBaselineCnnModel)
+      m.network = baseline_cnn_from_weights(*w, path);
+    else
+      m.network = model_from_weights(*w, path);
+    return m;
   }
   // A checkpoint: opened and checked once, for its meta and its weights.
   auto checked = open_checked(path);
-  auto spec = input_spec_of(checked.meta.train_options, checked.meta.model_config, path);
-  const auto kind = checkpoint_model(checked.meta);
-  if (kind == kMatrixCapsNetModel)
-    return {kind,
-            network_from_checkpoint<models::MatrixCapsNet, models::MatrixCapsNetConfig>(path, std::move(checked)),
-            spec};
-  if (kind == kBaselineCnnModel)
-    return {kind, network_from_checkpoint<models::BaselineCnn, models::BaselineCnnConfig>(path, std::move(checked)),
-            spec};
-  return {kind, network_from_checkpoint<models::CapsNet, models::CapsNetConfig>(path, std::move(checked)), spec};
+  LoadedModel m{checkpoint_model(checked.meta), models::CapsNet{nullptr},
+                input_spec_of(checked.meta.train_options, checked.meta.model_config, path), checked.meta.step,
+                checked.meta.train_options, false};
+  if (m.kind == kMatrixCapsNetModel)
+    m.network = network_from_checkpoint<models::MatrixCapsNet, models::MatrixCapsNetConfig>(path, std::move(checked));
+  else if (m.kind == kBaselineCnnModel)
+    m.network = network_from_checkpoint<models::BaselineCnn, models::BaselineCnnConfig>(path, std::move(checked));
+  else
+    m.network = network_from_checkpoint<models::CapsNet, models::CapsNetConfig>(path, std::move(checked));
+  return m;
 }
 
 }  // namespace capsnet::train

@@ -46,6 +46,11 @@ void save_checkpoint(const std::string& path, models::CapsNet& model, torch::opt
 /// for a damaged file, "negative step" for a crafted one).
 CheckpointMeta read_checkpoint_meta(const std::string& path);
 
+/// Whether `path` ends in a version-3 checkpoint's trailer (its last 20 bytes are read; nothing is checked):
+/// a training checkpoint, not a weight file, so that readers trying both need not read the whole file to
+/// tell. False for a missing, unreadable or short file, and for anything not a regular file (never opened).
+bool has_checkpoint_trailer(const std::string& path);
+
 /// Restores model weights, optimizer state (when given) and the generator state; returns the meta.
 /// The model must have been built with the checkpoint's model config.
 CheckpointMeta load_checkpoint(const std::string& path, models::CapsNet& model, torch::optim::Optimizer* optimizer);
@@ -114,6 +119,11 @@ struct LoadedModel {
   std::string kind;  // kCapsNetModel, kMatrixCapsNetModel or kBaselineCnnModel (export.h)
   std::variant<models::CapsNet, models::MatrixCapsNet, models::BaselineCnn> network;
   InputSpec spec;
+  int64_t step = 0;  // optimizer steps the weights had when saved
+  /// A checkpoint's training options; a weight file's card's "train_options" (what export keeps of a
+  /// MultiMNIST checkpoint), null when its card has none.
+  nlohmann::json train_options;
+  bool weight_file = false;  // read from a weight file (save_weights), not a training checkpoint
 
   /// The side S and channels C of its input [N, C, S, S] (from the network's config).
   int64_t image_size() const;

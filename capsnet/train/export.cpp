@@ -263,13 +263,11 @@ ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::s
     throw std::invalid_argument(fmt::format("export: probe must be >= 0, got {}", options.probe));
 
   // A weight file (e.g. the shipped model) re-exports too: to another storage type, or with a probe.
-  const auto weights_in = try_read_weights(checkpoint_path);  // read once, used for the step and the model
-  const auto meta = weights_in ? CheckpointMeta{} : read_checkpoint_meta(checkpoint_path);  // checked once here
-  const int64_t step = weights_in ? weights_in->step : meta.step;
-  const std::string kind = weights_in ? weights_in->model : checkpoint_model(meta);
+  // The file is read once, for the step, the input spec and the model.
+  auto loaded = load_any_model(checkpoint_path);
   // The card carries what predict / eval / serve need beyond the config: class names, image fit, dataset.
   auto with_inputs = options;
-  const auto spec = read_input_spec(checkpoint_path);
+  const auto& spec = loaded.spec;
   if (with_inputs.card.is_null()) with_inputs.card = nlohmann::json::object();
   if (with_inputs.card.is_object()) {
     if (!with_inputs.card.contains("classes")) with_inputs.card["classes"] = spec.class_names;
@@ -282,26 +280,21 @@ ExportSummary export_checkpoint(const std::string& checkpoint_path, const std::s
     // A MultiMNIST checkpoint's options (batch size, seed, the pairs' generator and overlay): what
     // `capsnet multimnist --eval-only` reads from a checkpoint, so that it reads the weight file alike.
     // A weight file re-exported keeps them.
-    if (weights_in) {
-      if (weights_in->card.is_object() && weights_in->card.contains("train_options"))
-        with_inputs.card.emplace("train_options", weights_in->card.at("train_options"));
-    } else if (meta.train_options.value("task", std::string()).rfind("multimnist", 0) == 0) {
-      with_inputs.card.emplace("train_options", meta.train_options);
-    }
+    const auto& train_options = loaded.train_options;
+    if (loaded.weight_file ? train_options.is_object()
+                           : train_options.is_object() &&
+                                 train_options.value("task", std::string()).rfind("multimnist", 0) == 0)
+      with_inputs.card.emplace("train_options", train_options);
   }
   ExportSummary s;
-  s.step = step;
-  auto write = [&](auto model) {
-    s.tensors = static_cast<int64_t>(model->named_parameters().size() + model->named_buffers().size());
-    s.parameters = models::count_parameters(*model);
-    s.bytes = save_weights(out_path, model, step, with_inputs);
-  };
-  if (kind == kMatrixCapsNetModel)
-    write(weights_in ? matrix_model_from_weights(*weights_in, checkpoint_path) : load_matrix_model(checkpoint_path));
-  else if (kind == kBaselineCnnModel)
-    write(weights_in ? baseline_cnn_from_weights(*weights_in, checkpoint_path) : load_baseline_cnn(checkpoint_path));
-  else
-    write(weights_in ? model_from_weights(*weights_in, checkpoint_path) : load_model(checkpoint_path));
+  s.step = loaded.step;
+  std::visit(
+      [&](auto& model) {
+        s.tensors = static_cast<int64_t>(model->named_parameters().size() + model->named_buffers().size());
+        s.parameters = models::count_parameters(*model);
+        s.bytes = save_weights(out_path, model, loaded.step, with_inputs);
+      },
+      loaded.network);
   return s;
 }
 
@@ -385,7 +378,9 @@ ExportedWeights read_weights(const std::string& path) {
 
 std::optional<ExportedWeights> try_read_weights(const std::string& path) {
   // Both formats are zip archives; a weight file is a single pickle (data.pkl) whose dict names its
-  // format, a checkpoint is a TorchScript archive.
+  // format, a checkpoint is a TorchScript archive. A checkpoint of version 3 says so in its last bytes:
+  // not read whole and unpickled here only to be refused (the MultiMNIST model's: 136 MB).
+  if (has_checkpoint_trailer(path)) return std::nullopt;
   try {
     return read_weights(path);
   } catch (const NotWeightsError&) {

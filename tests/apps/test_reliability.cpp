@@ -31,24 +31,16 @@ namespace capsnet {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::read_bytes;
 using testing::run_command;
 using testing::TempDir;
 using testing::tiny_config;
+using testing::write_bytes;
 
 const std::string kCli = CAPSNET_CLI;
 
 void expect_contains(const std::string& text, const std::string& phrase) {
   EXPECT_NE(text.find(phrase), std::string::npos) << "expected \"" << phrase << "\" in:\n" << text;
-}
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << bytes;
 }
 
 /// A tiny model's checkpoint in `path`.

@@ -6,6 +6,8 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "capsnet/data/idx.h"
@@ -31,6 +33,18 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+/// The bytes of the file at `path` ("" when it cannot be read).
+inline std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+/// Replaces the file at `path` with `bytes`.
+inline void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << bytes;
+}
 
 /// A small CapsNet (12x12 input, 64 primary capsules) that trains in milliseconds per step.
 inline models::CapsNetConfig tiny_config() {

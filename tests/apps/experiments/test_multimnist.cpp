@@ -624,6 +624,12 @@ TEST(MultiMnistCliTest, TrainThenEvalOnlyOnGeneratedIdxFiles) {
   EXPECT_EQ(k.at("mode"), "eval-only");
   EXPECT_EQ(k.at("steps"), 2);
   EXPECT_DOUBLE_EQ(k.at("error").get<double>(), j.at("error").get<double>());
+  // In the precision the run's own evaluation computed in (--precision, auto for both): the same loss to the
+  // last bit, not only the same error.
+  EXPECT_EQ(k.at("precision"), j.at("precision"));
+  EXPECT_DOUBLE_EQ(k.at("test_loss").get<double>(), j.at("test_loss").get<double>());
+  ASSERT_EQ(multimnist("--eval-only --precision fp32 --figure-correct 0 --figure-wrong 0").status, 0);
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(out + "/multimnist.json")).at("precision"), "fp32");
 
   auto wrong = multimnist("--checkpoint " + out + "/checkpoint.pt");
   EXPECT_EQ(wrong.status, 1);

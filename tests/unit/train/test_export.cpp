@@ -300,6 +300,16 @@ TEST(Export, LoadAnyModelTakesEveryNetworkFromCheckpointsAndWeightFiles) {
     auto m = train::load_any_model(dir / c.file);
     EXPECT_EQ(m.kind, c.kind);
     ASSERT_EQ(m.network.index(), c.alternative);
+    // The step and the training options come with it: a checkpoint's options, a weight file's card's
+    // "train_options" (none here).
+    EXPECT_EQ(m.step, static_cast<int64_t>(c.alternative) + 1);
+    const bool weight_file = c.file.find("_ckpt") == std::string::npos;
+    EXPECT_EQ(m.weight_file, weight_file);
+    EXPECT_EQ(train::has_checkpoint_trailer(dir / c.file), !weight_file);
+    if (weight_file)
+      EXPECT_TRUE(m.train_options.is_null()) << m.train_options;
+    else
+      EXPECT_EQ(m.train_options, c.alternative == 1 ? nlohmann::json({{"task", "em"}}) : options);
     EXPECT_EQ(m.image_size(), c.side);
     EXPECT_EQ(m.image_channels(), 1);
     EXPECT_EQ(m.spec.class_names, c.lettered ? letters : std::vector<std::string>({"0", "1", "2", "3", "4", "5", "6",
@@ -316,6 +326,40 @@ TEST(Export, LoadAnyModelTakesEveryNetworkFromCheckpointsAndWeightFiles) {
         m.network);
   }
   EXPECT_THROW(train::load_any_model(dir / "missing.pt"), train::CheckpointError);
+  EXPECT_FALSE(train::has_checkpoint_trailer(dir / "missing.pt"));
+  EXPECT_FALSE(train::has_checkpoint_trailer(dir.str()));  // a directory
+  // A weight file's card keeps a MultiMNIST checkpoint's training options (export): load_any_model gives them.
+  train::ExportOptions with_options;
+  with_options.card = {{"train_options", {{"task", "multimnist"}, {"batch_size", 100}}}};
+  train::save_weights(dir / "mm.pt", capsnet, 7, with_options);
+  const auto mm = train::load_any_model(dir / "mm.pt");
+  EXPECT_EQ(mm.step, 7);
+  EXPECT_EQ(mm.train_options, with_options.card.at("train_options"));
+}
+
+// A version-3 checkpoint is told from a weight file by its last 20 bytes: a file that ends in the trailer's
+// magic is not read as a weight file (so not read whole), and damage there is the checkpoint reader's to report.
+TEST(Export, ACheckpointIsToldFromAWeightFileByItsTrailer) {
+  TempDir dir;
+  auto model = tiny_model(4);
+  const auto ckpt = dir / "ckpt.pt";
+  train::save_checkpoint(ckpt, model, nullptr, {5, model->config.to_json(), nlohmann::json::object()});
+  EXPECT_TRUE(train::has_checkpoint_trailer(ckpt));
+  EXPECT_FALSE(train::try_read_weights(ckpt).has_value());
+  EXPECT_FALSE(train::is_weights_file(ckpt));
+  // The magic's first byte flipped: no longer a version-3 checkpoint by its end, and no weight file either;
+  // the checkpoint reader calls it corrupt.
+  auto bytes = testing::read_bytes(ckpt);
+  const size_t magic = bytes.size() - 20;
+  bytes[magic] = static_cast<char>(bytes[magic] ^ 0x01);
+  const auto damaged = dir / "damaged.pt";
+  testing::write_bytes(damaged, bytes);
+  EXPECT_FALSE(train::has_checkpoint_trailer(damaged));
+  EXPECT_FALSE(train::try_read_weights(damaged).has_value());
+  EXPECT_THROW(train::load_any_model(damaged), train::CheckpointError);
+  // Shorter than a trailer.
+  testing::write_bytes(dir / "short.pt", std::string("capsckp3"));
+  EXPECT_FALSE(train::has_checkpoint_trailer(dir / "short.pt"));
 }
 
 TEST(Export, ErrorsNameTheBadArgument) {
