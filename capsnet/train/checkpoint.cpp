@@ -87,17 +87,17 @@ struct OpenFile {
   }
 };
 
-// The size of a version-3 file's archive (the file less its trailer), after checking the trailer and the
-// CRC-32 over the archive, read through `file` a few MB at a time; nullopt when the file has no trailer
-// (an earlier version, or not a checkpoint). No copy of the archive is held: LibTorch then parses it from
-// the same open file (open_checked), so the bytes parsed are the bytes checked even if another writer
-// renames a new checkpoint over the path meanwhile.
 // Whether the open `file` of `file_size` bytes ends in a version-3 trailer's magic; the trailer in `trailer`.
 bool read_trailer(const OpenFile& file, uint64_t file_size, char (&trailer)[kTrailerSize]) {
   return file_size >= kTrailerSize && file.read_at(file_size - kTrailerSize, kTrailerSize, trailer) == kTrailerSize &&
          std::memcmp(trailer, kTrailerMagic, sizeof kTrailerMagic) == 0;
 }
 
+// The size of a version-3 file's archive (the file less its trailer), after checking the trailer and the
+// CRC-32 over the archive, read through `file` a few MB at a time; nullopt when the file has no trailer
+// (an earlier version, or not a checkpoint). No copy of the archive is held: LibTorch then parses it from
+// the same open file (open_checked), so the bytes parsed are the bytes checked even if another writer
+// renames a new checkpoint over the path meanwhile.
 std::optional<uint64_t> checked_archive_size(const std::string& path, const OpenFile& file) {
   struct stat st {};
   if (::fstat(file.fd, &st) != 0)
