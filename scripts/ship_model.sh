@@ -11,7 +11,9 @@
 # default; fp32 or bf16), CARD_EXTRA (a JSON object merged into the card, e.g. the validation rule,
 # validation accuracy and seed of a run with --val), EVAL_ARGS (what the card's accuracy is measured on;
 # default `--dataset DATASET`, e.g. `--images X --labels Y` for a 40x40 model and a set written by
-# `capsnet affine --write-sets`).
+# `capsnet affine --write-sets`). DATASET multimnist: a model of `capsnet multimnist`, scored by
+# `capsnet multimnist --eval-only` (fp32) on its 10,000 fixed test pairs; EVAL_ARGS then adds to that command
+# (e.g. `--test-size 1000`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CLI="${CAPSNET_CLI:-$ROOT/build/bin/capsnet}"  # CAPSNET_CLI: another build of the tool
@@ -24,7 +26,13 @@ mkdir -p "$OUT"
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 
 "$CLI" export --checkpoint "$CKPT" --storage "$STORAGE" --probe 8 --out "$tmp/w.pt"
-"$CLI" eval --checkpoint "$tmp/w.pt" "${EVAL[@]}" --json --no-progress > "$tmp/eval.json"
+if [[ "$DATASET" == multimnist ]]; then  # pairs of digits: scored by capsnet multimnist on its fixed test pairs
+  "$CLI" multimnist --eval-only --checkpoint "$tmp/w.pt" --precision fp32 --figure-correct 0 --figure-wrong 0 \
+    --no-progress --out "$tmp/mm" ${EVAL_ARGS:-} > /dev/null
+  cp "$tmp/mm/multimnist.json" "$tmp/eval.json"
+else
+  "$CLI" eval --checkpoint "$tmp/w.pt" "${EVAL[@]}" --json --no-progress > "$tmp/eval.json"
+fi
 CARD_EXTRA="${CARD_EXTRA:-{\}}" /usr/bin/python3 - "$tmp/eval.json" "$CKPT" "$tmp/w.pt" "$DATASET" "$COMMAND" "$STEPS_PER_EPOCH" "$STORAGE" > "$tmp/card.json" <<'EOF'
 import json, os, sys, torch
 ev = json.load(open(sys.argv[1]))
@@ -47,7 +55,6 @@ else:
     if c.get("image_size", 28) != 28:
         model += f"; {c['image_size']}x{c['image_size']} inputs"
 meta_epochs = step / steps_per_epoch
-wrong = ev["examples"] - sum(ev["confusion"][k][k] for k in range(len(ev["confusion"])))
 card = {
     "model": model,
     "dataset": dataset,
@@ -56,11 +63,27 @@ card = {
     "epochs": round(meta_epochs, 3),
     "precision": "trained with fp32 master weights (see docs/results.md for the compute precision per epoch); stored " + storage,
     "storage": storage,
-    "test_accuracy": ev["accuracy"],
-    "test_errors": wrong,
-    "test_examples": ev["examples"],
-    "evaluated_with": "capsnet eval on this file (fp32 compute), " + ev["split"] if ev["split"] not in ("test", "train") else "capsnet eval on this file (fp32 compute), whole test split",
 }
+if dataset == "multimnist":  # capsnet multimnist --eval-only's summary
+    card.update({
+        "pairs_seen": ev["images_seen"],
+        "test_accuracy": ev["accuracy"],  # both digits of a pair among the two longest capsules
+        "test_error": ev["error"],
+        "test_errors": round(ev["error"] * ev["test_examples"]),
+        "digits_found": ev["digit_accuracy"],
+        "test_examples": ev["test_examples"],
+        "test_loss": ev["test_loss"],
+        "evaluated_with": f"capsnet multimnist --eval-only on this file (fp32 compute), {ev['test_examples']} generated "
+                          f"test pairs (test seed {ev['test_seed']}, overlay {ev['overlay']}) from the MNIST test split",
+    })
+else:
+    wrong = ev["examples"] - sum(ev["confusion"][k][k] for k in range(len(ev["confusion"])))
+    card.update({
+        "test_accuracy": ev["accuracy"],
+        "test_errors": wrong,
+        "test_examples": ev["examples"],
+        "evaluated_with": "capsnet eval on this file (fp32 compute), " + ev["split"] if ev["split"] not in ("test", "train") else "capsnet eval on this file (fp32 compute), whole test split",
+    })
 card.update(json.loads(os.environ["CARD_EXTRA"]))
 print(json.dumps(card, indent=2))
 EOF
