@@ -68,7 +68,7 @@ if dataset == "multimnist":  # capsnet multimnist --eval-only's summary
     card.update({
         "pairs_seen": ev["images_seen"],
         "test_accuracy": ev["accuracy"],  # both digits of a pair among the two longest capsules
-        "test_error": ev["error"],
+        "test_error": round(ev["error"], 6),
         "test_errors": round(ev["error"] * ev["test_examples"]),
         "digits_found": ev["digit_accuracy"],
         "test_examples": ev["test_examples"],
