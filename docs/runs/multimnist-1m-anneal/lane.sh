@@ -1,5 +1,5 @@
 #!/bin/bash
-# MultiMNIST in one session (issue 42), declared before any result, 2026-12-02 15:30 UTC.
+# MultiMNIST in one session (issue 42), declared before any result (committed 2026-12-02 15:08 UTC; started 15:33).
 # Why: the 10-million-pair lane (docs/runs/multimnist-10m-b100/) lost its checkpoint at 7.3M pairs when its
 # machine was not returned to the next session, so no MultiMNIST model could be shipped from it. This run is
 # sized to finish inside one session: the paper's model (bf16), batch 100, STEPS steps of new generated pairs,
