@@ -21,14 +21,15 @@ CKPT="$1"; OUT="$2"; COMMAND="$3"; DATASET="${4:-mnist}"
 NAME="${NAME:-capsnet-$DATASET}.pt"
 STEPS_PER_EPOCH="${STEPS_PER_EPOCH:-600}"
 STORAGE="${STORAGE:-fp16}"
-read -r -a EVAL <<< "${EVAL_ARGS:---dataset $DATASET}"
+default_eval="--dataset $DATASET"; [[ "$DATASET" == multimnist ]] && default_eval=""  # its pairs come from MNIST
+read -r -a EVAL <<< "${EVAL_ARGS:-$default_eval}"
 mkdir -p "$OUT"
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 
 "$CLI" export --checkpoint "$CKPT" --storage "$STORAGE" --probe 8 --out "$tmp/w.pt"
 if [[ "$DATASET" == multimnist ]]; then  # pairs of digits: scored by capsnet multimnist on its fixed test pairs
   "$CLI" multimnist --eval-only --checkpoint "$tmp/w.pt" --precision fp32 --figure-correct 0 --figure-wrong 0 \
-    --no-progress --out "$tmp/mm" ${EVAL_ARGS:-} > /dev/null
+    --no-progress --out "$tmp/mm" "${EVAL[@]}" > /dev/null
   cp "$tmp/mm/multimnist.json" "$tmp/eval.json"
 else
   "$CLI" eval --checkpoint "$tmp/w.pt" "${EVAL[@]}" --json --no-progress > "$tmp/eval.json"

@@ -35,11 +35,16 @@ const std::string kCli = CAPSNET_CLI;
 
 bool have_mnist() { return std::filesystem::exists(std::string(CAPSNET_DATA_DIR) + "/t10k-images-idx3-ubyte"); }
 
+// A shipped model's directory `dir` checks out against its SHA256SUMS, which names `file_name`.
+void expect_matches_sha256sums(const std::string& dir, const std::string& file_name) {
+  auto r = testing::run_command("cd " + dir + " && sha256sum --check --strict SHA256SUMS");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find(file_name + ": OK"), std::string::npos) << r.output;
+}
+
 TEST(ShippedModel, MatchesItsSha256) {
   ASSERT_TRUE(std::filesystem::exists(kModel)) << kModel;
-  auto r = testing::run_command("cd " + kModelDir + " && sha256sum --check --strict SHA256SUMS");
-  EXPECT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("capsnet-mnist.pt: OK"), std::string::npos) << r.output;
+  expect_matches_sha256sums(kModelDir, "capsnet-mnist.pt");
 }
 
 TEST(ShippedModel, IsSmallHalfPrecisionWeightsWithACard) {
@@ -121,9 +126,7 @@ const std::string kFashionModel = kFashionModelDir + "/capsnet-fashion-mnist.pt"
 const std::string kFashionData = "/usr/share/datasets/fashion-mnist";
 
 TEST(ShippedFashionModel, MatchesItsSha256AndIsHalfPrecisionWeightsWithACard) {
-  auto r = testing::run_command("cd " + kFashionModelDir + " && sha256sum --check --strict SHA256SUMS");
-  EXPECT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("capsnet-fashion-mnist.pt: OK"), std::string::npos) << r.output;
+  expect_matches_sha256sums(kFashionModelDir, "capsnet-fashion-mnist.pt");
   auto w = train::read_weights(kFashionModel);
   EXPECT_LE(std::filesystem::file_size(kFashionModel), 20u * 1000 * 1000);
   EXPECT_EQ(w.state_dict.at("digit_caps.weight").scalar_type(), torch::kFloat16);
@@ -169,9 +172,7 @@ TEST(ShippedEmModel, MatchesItsSha256AndReproducesItsProbe) {
   for (const auto& name : names) {
     SCOPED_TRACE(name);
     const auto file = em_model_file(name);
-    auto r = testing::run_command("cd " + em_model_dir(name) + " && sha256sum --check --strict SHA256SUMS");
-    EXPECT_EQ(r.status, 0) << r.output;
-    EXPECT_NE(r.output.find(name + ".pt: OK"), std::string::npos) << r.output;
+    expect_matches_sha256sums(em_model_dir(name), name + ".pt");
     auto w = train::read_weights(file);
     EXPECT_EQ(w.model, train::kMatrixCapsNetModel);
     EXPECT_LE(std::filesystem::file_size(file), 20u * 1000 * 1000);
@@ -235,9 +236,7 @@ TEST(ShippedFortyPixelModels, MatchTheirSha256ReproduceTheirProbesAndClassifyTra
   for (const auto& name : names) {
     SCOPED_TRACE(name);
     const auto dir = std::string(CAPSNET_SOURCE_DIR) + "/models/" + name, file = dir + "/" + name + ".pt";
-    auto r = testing::run_command("cd " + dir + " && sha256sum --check --strict SHA256SUMS");
-    EXPECT_EQ(r.status, 0) << r.output;
-    EXPECT_NE(r.output.find(name + ".pt: OK"), std::string::npos) << r.output;
+    expect_matches_sha256sums(dir, name + ".pt");
     EXPECT_LE(std::filesystem::file_size(file), 32u * 1000 * 1000);
     auto w = train::read_weights(file);
     EXPECT_EQ(w.config.at("image_size"), 40);
@@ -272,9 +271,7 @@ TEST(ShippedMultiMnistModel, MatchesItsSha256ReproducesItsProbeAndFindsBothDigit
   const std::string dir = std::string(CAPSNET_SOURCE_DIR) + "/models/capsnet-multimnist",
                     file = dir + "/capsnet-multimnist.pt";
   ASSERT_TRUE(std::filesystem::exists(file)) << file;
-  auto r = testing::run_command("cd " + dir + " && sha256sum --check --strict SHA256SUMS");
-  EXPECT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("capsnet-multimnist.pt: OK"), std::string::npos) << r.output;
+  expect_matches_sha256sums(dir, "capsnet-multimnist.pt");
   EXPECT_LE(std::filesystem::file_size(file), 32u * 1000 * 1000);
   auto w = train::read_weights(file);
   EXPECT_EQ(w.config.at("image_size"), 36);
